@@ -1,0 +1,252 @@
+"""Run configuration: dataclasses loaded from YAML, overridable from the command line.
+
+One YAML file maps onto :class:`Config` section by section (``model``, ``parallel``, ``mtp``,
+``data``, ``train``). Overrides use dotted keys, e.g. ``--set model.mtp_num_layers=3``; values
+are parsed as YAML scalars. :meth:`Config.validate` checks the arithmetic Megatron would
+otherwise fail on deep inside a run (head/vocab/layer divisibility by TP/PP, batch sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the offending field."""
+
+
+MTP_LOSSES = ("ce", "kl", "tv", "e2e_tv")
+FP8_FORMATS = (None, "hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Qwen2/Qwen3-style dense decoder with γ MTP layers."""
+
+    arch: str = "qwen3"  # qwen2 (QKV bias) | qwen3 (QK-norm)
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 192
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    kv_channels: Optional[int] = None  # head_dim; default hidden_size // heads
+    vocab_size: int = 64  # true vocabulary (tokenizer) size
+    make_vocab_size_divisible_by: int = 64
+    max_position_embeddings: int = 512
+    rotary_base: float = 1_000_000.0
+    norm_epsilon: float = 1e-6
+    qk_layernorm: Optional[bool] = None  # default: arch == qwen3
+    add_qkv_bias: Optional[bool] = None  # default: arch == qwen2
+    tie_word_embeddings: bool = False
+    mtp_num_layers: int = 2  # γ
+    init_method_std: float = 0.02
+    params_dtype: str = "float32"
+    transformer_impl: str = "auto"  # auto: Transformer Engine when importable
+    fp8: Optional[str] = None  # hybrid | e4m3 (needs Transformer Engine)
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.qk_layernorm is None:
+            self.qk_layernorm = self.arch == "qwen3"
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.arch == "qwen2"
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    force_cpu: bool = False
+
+
+@dataclass
+class MTPConfig:
+    loss: str = "e2e_tv"  # ce | kl | tv | e2e_tv
+    detach_trunk: bool = True  # no MTP gradient into trunk, embedding or output layer
+    loss_scaling_factor: float = 1.0
+    kl_warmup_steps: int = 0  # mix in forward KL, weight 1 -> 0 over these steps (TV/e2e_tv only)
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # JSONL with "input_ids" or "text"; None: synthetic
+    tokenizer: str = "char"  # "char" (built-in) or a local Hugging Face tokenizer folder
+    text_key: str = "text"
+    seq_length: int = 64
+    synthetic_samples: int = 4096
+    synthetic_task: str = "arithmetic"
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    steps: int = 100
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    trunk_warmup_steps: int = 0  # CE steps on the trunk before MTP training (random-init models)
+    trunk_lr: float = 3e-3
+    log_interval: int = 10
+    save_interval: int = 0  # 0: only at the end
+    output_dir: str = "outputs/train_mtp"
+    load: Optional[str] = None  # checkpoint folder to start from (model only unless resuming)
+    resume: bool = True  # continue from output_dir/checkpoints/latest if present
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(raw) - set(sections)
+        if unknown:
+            raise ConfigError(f"unknown config section(s): {sorted(unknown)}; known: {sorted(sections)}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            section_cls = f.default_factory  # type: ignore[misc]
+            values = raw.get(f.name) or {}
+            if not isinstance(values, dict):
+                raise ConfigError(f"section '{f.name}' must be a mapping")
+            known = {sf.name for sf in dataclasses.fields(section_cls)}
+            bad = set(values) - known
+            if bad:
+                raise ConfigError(f"unknown key(s) in '{f.name}': {sorted(bad)}")
+            try:
+                kwargs[f.name] = section_cls(**values)
+            except TypeError as e:
+                raise ConfigError(f"section '{f.name}': {e}") from e
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: Optional[list[str]] = None) -> "Config":
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        apply_overrides(raw, overrides or [])
+        cfg = cls.from_dict(raw)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --------------------------------------------------------------- validation
+    def validate(self, world_size: Optional[int] = None) -> None:
+        m, p, t = self.model, self.parallel, self.train
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        errors: list[str] = []
+        if m.arch not in ("qwen2", "qwen3"):
+            errors.append(f"model.arch must be qwen2 or qwen3, got {m.arch!r}")
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size"):
+            if getattr(m, name) < 1:
+                errors.append(f"model.{name} must be >= 1, got {getattr(m, name)}")
+        if tp < 1 or pp < 1:
+            errors.append("parallel sizes must be >= 1")
+        if errors:
+            raise ConfigError("; ".join(errors))
+        if m.mtp_num_layers < 1:
+            errors.append(f"model.mtp_num_layers (γ) must be >= 1, got {m.mtp_num_layers}")
+        if m.num_attention_heads % m.num_query_groups:
+            errors.append(f"num_attention_heads {m.num_attention_heads} not divisible by "
+                          f"num_query_groups {m.num_query_groups}")
+        if m.num_attention_heads % tp:
+            errors.append(f"num_attention_heads {m.num_attention_heads} not divisible by TP {tp}")
+        if m.num_query_groups % tp:
+            errors.append(f"num_query_groups {m.num_query_groups} not divisible by TP {tp}")
+        if m.ffn_hidden_size % tp:
+            errors.append(f"ffn_hidden_size {m.ffn_hidden_size} not divisible by TP {tp}")
+        if m.padded_vocab_size(tp) % tp:
+            errors.append(f"padded vocab {m.padded_vocab_size(tp)} not divisible by TP {tp}")
+        if m.num_layers % pp:
+            errors.append(f"num_layers {m.num_layers} not divisible by PP {pp}")
+        if p.sequence_parallel and tp == 1:
+            errors.append("sequence_parallel needs TP > 1")
+        if self.data.seq_length > m.max_position_embeddings:
+            errors.append(f"data.seq_length {self.data.seq_length} > model.max_position_embeddings "
+                          f"{m.max_position_embeddings}")
+        if self.data.seq_length <= m.mtp_num_layers + 1:
+            errors.append(f"data.seq_length {self.data.seq_length} too short for γ={m.mtp_num_layers}")
+        if self.mtp.loss not in MTP_LOSSES:
+            errors.append(f"mtp.loss must be one of {MTP_LOSSES}, got {self.mtp.loss!r}")
+        if m.fp8 not in FP8_FORMATS:
+            errors.append(f"model.fp8 must be one of {FP8_FORMATS}, got {m.fp8!r}")
+        if m.fp8_recipe not in FP8_RECIPES:
+            errors.append(f"model.fp8_recipe must be one of {FP8_RECIPES}, got {m.fp8_recipe!r}")
+        if m.transformer_impl not in TRANSFORMER_IMPLS:
+            errors.append(f"model.transformer_impl must be one of {TRANSFORMER_IMPLS}")
+        if m.params_dtype not in DTYPES:
+            errors.append(f"model.params_dtype must be one of {DTYPES}")
+        if p.micro_batch_size < 1 or p.global_batch_size < 1:
+            errors.append("micro_batch_size and global_batch_size must be >= 1")
+        if world_size is not None:
+            if world_size % (tp * pp):
+                errors.append(f"world size {world_size} not divisible by TP*PP = {tp * pp}")
+            else:
+                dp = world_size // (tp * pp)
+                if p.global_batch_size % (p.micro_batch_size * dp):
+                    errors.append(f"global_batch_size {p.global_batch_size} not divisible by "
+                                  f"micro_batch_size*DP = {p.micro_batch_size}*{dp}")
+        elif p.global_batch_size % p.micro_batch_size:
+            errors.append(f"global_batch_size {p.global_batch_size} not divisible by "
+                          f"micro_batch_size {p.micro_batch_size}")
+        if t.steps < 0 or t.lr <= 0:
+            errors.append("train.steps must be >= 0 and train.lr > 0")
+        if errors:
+            raise ConfigError("; ".join(errors))
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Apply ``section.key=value`` overrides in place; values are YAML scalars."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"override key {key!r} must be section.key")
+        section, name = parts
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        raw[section][name] = yaml.safe_load(value) if value != "" else None

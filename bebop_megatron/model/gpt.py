@@ -1,0 +1,256 @@
+"""Qwen-style megatron-core ``GPTModel`` with MTP layers trained by a selectable objective.
+
+megatron-core 0.16.1 computes the MTP cross entropy inline in ``GPTModel._postprocess``
+(shared with the main loss through ``compute_language_model_loss``), so the MTP objective is
+swapped by overriding ``_postprocess``. The override keeps Megatron's conventions:
+
+* MTP runs on the last pipeline stage with the (tied) embedding built there;
+* the MTP loss enters autograd through ``MTPLossAutoScaler`` attached to the main loss, so
+  the schedule's loss scale (``MTPLossAutoScaler.set_loss_scale``) applies to it;
+* the returned value is the per-token main-head loss ``[b, s]`` (or logits without labels).
+
+With ``mtp_detach_trunk`` the MTP block sees detached decoder hidden states, a no-grad
+embedding and a detached output-layer weight: MTP gradients reach only MTP parameters.
+The main-head target distribution is always detached.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from bebop_megatron.config import Config
+from bebop_megatron.mtp.losses import mtp_objective, segment_ids_from_position_ids
+from bebop_megatron.mtp.metrics import MTPMetrics
+from bebop_megatron.platform import Platform
+
+
+class _LazyMTPLogits:
+    """Computes depth-k logits when indexed, so that only one depth's full logits is alive."""
+
+    def __init__(self, model: "BebopGPTModel", hiddens: list[Tensor], weight: Optional[Tensor]):
+        self.model, self.hiddens, self.weight = model, hiddens, weight
+
+    def __len__(self) -> int:
+        return len(self.hiddens)
+
+    def __getitem__(self, i: int) -> Tensor:
+        logits, _ = self.model.output_layer(self.hiddens[i], weight=self.weight)
+        return logits
+
+
+class BebopGPTModel(GPTModel):
+    def __init__(
+        self,
+        *args,
+        mtp_loss: str = "e2e_tv",
+        mtp_detach_trunk: bool = True,
+        true_vocab_size: Optional[int] = None,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.mtp_loss_type = mtp_loss
+        self.mtp_detach_trunk = mtp_detach_trunk
+        self.true_vocab_size = true_vocab_size
+        self.mtp_kl_weight = 0.0  # set by trainers for a KL warm-up
+        gamma = self.config.mtp_num_layers or 0
+        self.mtp_metrics = MTPMetrics(gamma)
+        if self.mtp_process and not self.post_process:
+            raise ValueError("MTP layers must live on the last pipeline stage (no custom PP layout)")
+
+    # ------------------------------------------------------------------ helpers
+    def _no_grad_embedding(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.embedding(input_ids=input_ids, position_ids=position_ids)
+
+    def _output_weight(self) -> Optional[Tensor]:
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return None
+
+    def trunk_parameters(self):
+        """Everything except the MTP block (embedding, decoder, output layer)."""
+        return [p for n, p in self.named_parameters() if not n.startswith("mtp.")]
+
+    def mtp_parameters(self):
+        return [p for n, p in self.named_parameters() if n.startswith("mtp.")]
+
+    def run_mtp_block(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor, **kw) -> list[Tensor]:
+        """MTP hidden states [s, b, h] for depths 1..γ, from decoder output ``hidden_states``."""
+        detach = self.mtp_detach_trunk
+        out = self.mtp(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            hidden_states=hidden_states.detach() if detach else hidden_states,
+            embedding=self._no_grad_embedding if detach else self.embedding,
+            **kw,
+        )
+        return list(torch.chunk(out, 1 + self.config.mtp_num_layers, dim=0))[1:]
+
+    def mtp_logits(self, mtp_hidden: list[Tensor]) -> _LazyMTPLogits:
+        weight = self._output_weight()
+        if self.mtp_detach_trunk:
+            weight = (weight if weight is not None else self.output_layer.weight).detach()
+        return _LazyMTPLogits(self, mtp_hidden, weight)
+
+    # -------------------------------------------------------------- postprocess
+    def _postprocess(
+        self,
+        hidden_states,
+        input_ids,
+        position_ids,
+        labels,
+        rotary_pos_emb,
+        rotary_pos_cos,
+        rotary_pos_sin,
+        mtp_in_postprocess=None,
+        loss_mask=None,
+        decoder_input=None,
+        attention_mask=None,
+        inference_params=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        runtime_gather_output=None,
+        extra_block_kwargs=None,
+        inference_context=None,
+    ):
+        if inference_context is not None or not self.config.mtp_num_layers or labels is None:
+            # Inference / logits-only forward: the main head alone (MTP drafting is the
+            # rollout engine's job, which runs the MTP layers with its own KV cache).
+            if not self.post_process:
+                return hidden_states
+            logits, _ = self.output_layer(
+                hidden_states, weight=self._output_weight(), runtime_gather_output=runtime_gather_output
+            )
+            if labels is None:
+                return logits.transpose(0, 1).contiguous()
+            return self.compute_language_model_loss(labels, logits)
+
+        if not self.post_process:
+            return hidden_states
+
+        mtp_hidden = self.run_mtp_block(
+            hidden_states,
+            input_ids,
+            position_ids,
+            attention_mask=attention_mask,
+            inference_params=inference_params,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+            **(extra_block_kwargs or {}),
+        )
+        logits, _ = self.output_layer(
+            hidden_states, weight=self._output_weight(), runtime_gather_output=runtime_gather_output
+        )
+        if loss_mask is None:
+            loss_mask = torch.ones_like(labels, dtype=torch.float)
+        tp_group = self.pg_collection.tp
+        vocab_local = logits.shape[-1]
+        out = mtp_objective(
+            logits,
+            self.mtp_logits(mtp_hidden),
+            self.mtp_loss_type,
+            loss_mask,
+            labels=labels,
+            segment_ids=segment_ids_from_position_ids(position_ids) if position_ids is not None else None,
+            tp_group=tp_group,
+            vocab_start=parallel_state.get_tensor_model_parallel_rank() * vocab_local,
+            true_vocab_size=self.true_vocab_size,
+            kl_weight=self.mtp_kl_weight,
+        )
+        if self.training:
+            self.mtp_metrics.update(out)
+        token_loss = self.compute_language_model_loss(labels, logits)
+        # attached to the per-token main loss (not the logits: the vocab-parallel CE edits them in place)
+        return MTPLossAutoScaler.apply(token_loss, self.config.mtp_loss_scaling_factor * out.loss)
+
+
+# ----------------------------------------------------------------------- builders
+
+
+def build_transformer_config(cfg: Config, platform: Platform, use_te: bool) -> TransformerConfig:
+    m, p = cfg.model, cfg.parallel
+    dtype = getattr(torch, m.params_dtype)
+    on_gpu = platform.is_cuda
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=cfg.mtp.loss_scaling_factor,
+        use_cpu_initialization=not on_gpu,
+        # fused kernels exist only on GPU
+        bias_activation_fusion=on_gpu and use_te,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=on_gpu and use_te,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if m.fp8:
+        kwargs.update(
+            fp8=m.fp8,
+            fp8_recipe=m.fp8_recipe,
+            fp8_margin=m.fp8_margin,
+            fp8_amax_history_len=m.fp8_amax_history_len,
+            fp8_amax_compute_algo=m.fp8_amax_compute_algo,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def build_model(cfg: Config, platform: Platform) -> BebopGPTModel:
+    """Build this rank's pipeline stage of the model (parallel_state must be initialised)."""
+    from bebop_megatron.model.spec import build_layer_spec, build_mtp_block_spec, use_transformer_engine
+
+    use_te = use_transformer_engine(cfg.model)
+    tconf = build_transformer_config(cfg, platform, use_te)
+    layer_spec = build_layer_spec(cfg.model, use_te)
+    mtp_spec = build_mtp_block_spec(tconf, layer_spec, use_te)
+    m = cfg.model
+    model = BebopGPTModel(
+        config=tconf,
+        transformer_layer_spec=layer_spec,
+        vocab_size=m.padded_vocab_size(cfg.parallel.tensor_model_parallel_size),
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=m.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=m.rotary_base,
+        mtp_block_spec=mtp_spec,
+        mtp_loss=cfg.mtp.loss,
+        mtp_detach_trunk=cfg.mtp.detach_trunk,
+        true_vocab_size=m.vocab_size,
+    )
+    return model.to(platform.device)

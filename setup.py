@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="bebop_megatron",
+    version="0.1.0",
+    description="MTP speculative rollouts (rejection sampling + end-to-end TV-trained drafts) "
+    "for RL post-training of Qwen-style LLMs on Megatron-Core",
+    packages=find_packages(include=["bebop_megatron", "bebop_megatron.*"]),
+    package_data={"bebop_megatron": ["data/*.jsonl"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "megatron-core==0.16.1",
+        # CPU machines: torch==2.13.0 (a local CPU wheel); GPU clusters bring their own CUDA build.
+        "torch>=2.4",
+        "numpy",
+        "psutil",  # megatron-core's checkpoint writer needs it (a worker dies without it)
+        "pyyaml",
+        "safetensors",
+        "transformers",
+        "sentencepiece",
+        "tensorboard",
+        "tqdm",
+    ],
+    extras_require={
+        # GPU-only; never the unrelated PyPI package named "apex".
+        "gpu": ["transformer-engine[pytorch]"],
+        "sglang": ["sglang"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["bebop=bebop_megatron.cli:main"]},
+)
