@@ -96,7 +96,7 @@ class DataConfig:
     text_key: str = "text"
     seq_length: int = 64
     synthetic_samples: int = 4096
-    synthetic_task: str = "arithmetic"
+    synthetic_task: str = "mixed"  # mixed | arithmetic | sorting | counting
 
 
 @dataclass

@@ -8,14 +8,16 @@ that our code paths reach:
   mappings, p2p shape exchange, RoPE ``inv_freq``, MTP loss tracker, attention masks);
 * ``torch.cuda.synchronize()`` in p2p communication and parallel_state;
 * the CUDA RNG tracker (``torch.cuda.get_rng_state`` / ``manual_seed`` / ``_set_cuda_rng_state``);
-* ``torch.zeros(..., device="cuda")`` in the pipeline schedules (token counters);
+* ``torch.zeros/tensor(..., device="cuda")`` in the pipeline schedules, the optimizer wrappers,
+  gradient clipping, the grad buffers and the checkpoint exchange (``_LITERAL_CUDA_MODULES``);
 * ``torch.cuda.nvtx`` ranges;
+* ``clip_grad_by_total_norm_fp32`` asserting ``torch.cuda.FloatTensor`` grads;
 * ``weight.data.cuda()`` when syncing the MTP stage's embedding copy across pipeline stages.
 
 ``enable_cpu_compat()`` redirects exactly those to the CPU: ``current_device()`` returns the
 CPU device, synchronize/nvtx are no-ops, the RNG tracker forks the CPU generator (so
 dropout/initialisation stay reproducible and model-parallel seeds still differ per TP rank),
-``Tensor.cuda()`` returns the tensor itself, and the schedules module sees a ``torch`` whose factory functions map ``device="cuda"`` to
+``Tensor.cuda()`` returns the tensor itself, and those modules see a ``torch`` whose factory functions map ``device="cuda"`` to
 CPU. It is a no-op (returns False) when CUDA is available, so GPU paths never depend on it.
 """
 
@@ -79,6 +81,19 @@ class _CpuTorchProxy(types.ModuleType):
         return attr
 
 
+# megatron-core modules that write device="cuda" / 'cuda' literally on paths we use.
+_LITERAL_CUDA_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+
 def enable_cpu_compat() -> bool:
     """Install the CPU compatibility layer (idempotent). Returns True if it is active."""
     global _COMPAT_ENABLED
@@ -101,11 +116,28 @@ def enable_cpu_compat() -> bool:
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
-    from megatron.core.pipeline_parallel import schedules
+    import importlib
 
-    schedules.torch = _CpuTorchProxy()
+    proxy = _CpuTorchProxy()
+    for name in _LITERAL_CUDA_MODULES:
+        importlib.import_module(name).torch = proxy
+    # clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor; same maths on CPU.
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     _COMPAT_ENABLED = True
     return True
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.detach().mul_(clip_coeff)
 
 
 @contextlib.contextmanager

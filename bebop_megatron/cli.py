@@ -1,0 +1,68 @@
+"""``bebop`` command line: one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from bebop_megatron.config import Config, ConfigError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML config (see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable), e.g. --set model.mtp_num_layers=3")
+
+
+def _train_mtp(args) -> int:
+    from bebop_megatron.parallel import destroy_distributed, is_logging_rank
+    from bebop_megatron.training.train_mtp import train_mtp
+
+    cfg = Config.load(args.config, args.overrides)
+    try:
+        summary = train_mtp(cfg)
+        if is_logging_rank():
+            last = summary["mtp"]["last"]
+            first = summary["mtp"]["first"]
+            print(f"\nMTP training done ({cfg.mtp.loss}, γ={cfg.model.mtp_num_layers}).")
+            print(f"  acceptance α (mean over depths): {first.get('mtp/accept_rate', 0):.3f} -> "
+                  f"{last.get('mtp/accept_rate', 0):.3f}")
+            print(f"  expected accepted drafts / verify step: {first.get('mtp/expected_accepted', 0):.3f} -> "
+                  f"{last.get('mtp/expected_accepted', 0):.3f}")
+            print(f"  checkpoint:  {summary['mtp']['checkpoint']}")
+            print(f"  tensorboard: tensorboard --logdir {summary['output_dir']}")
+            print(f"  summary:     {summary['output_dir']}/summary.json")
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """megatron-core logs every parameter name at INFO and warns that TE/apex are absent on CPU."""
+    import warnings
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    for pattern in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
+                    ".*full scope is deprecated.*", ".*TorchDistLoadShardedStrategy.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _quiet_libraries()
+    parser = argparse.ArgumentParser(prog="bebop", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train-mtp", help="train MTP heads (trunk frozen) with ce/kl/tv/e2e_tv")
+    _add_config_args(p)
+    p.set_defaults(func=_train_mtp)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"bebop: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Training loops on megatron-core."""

@@ -1,0 +1,217 @@
+"""``bebop train-mtp``: train the MTP heads of a (frozen-trunk) model with a chosen objective.
+
+Phases:
+  1. optional trunk warm-up (``train.trunk_warmup_steps`` > 0, only for a model with no
+     checkpoint to start from): the whole model trains with next-token CE while the MTP
+     heads follow with their detached objective; saved under ``<output_dir>/trunk``;
+  2. MTP training: trunk, embedding and output layer frozen; only ``mtp.*`` parameters get
+     gradients, from ``mtp.loss`` (e2e_tv by default, the Bebop recipe).
+
+Checkpoints are megatron ``torch_dist`` dist checkpoints (model, optimizer, LR schedule, step,
+consumed samples); a rerun with the same ``output_dir`` resumes from the latest one.
+Metrics (acceptance α_k, Π α, expected accepted drafts, target entropy, losses, grad norm,
+LR) go to TensorBoard under ``<output_dir>/tensorboard`` and to the console.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, load_model_weights, save_checkpoint
+from bebop_megatron.config import Config
+from bebop_megatron.data import build_dataset, microbatches_for_step
+from bebop_megatron.model import build_model
+from bebop_megatron.parallel import initialize_distributed, is_logging_rank
+from bebop_megatron.platform import Platform
+from bebop_megatron.training.step import train_iteration
+
+log = logging.getLogger("bebop.train_mtp")
+
+
+@dataclass
+class PhaseResult:
+    checkpoint: Optional[Path]
+    first_metrics: dict
+    last_metrics: dict
+    steps: int
+
+
+def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int):
+    """megatron-core DDP + optimizer + LR schedule over the parameters that require grad."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = cfg.train
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                      use_distributed_optimizer=False),
+        model,
+    )
+    model.config.finalize_model_grads_func = finalize_model_grads
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(t.min_lr, lr), weight_decay=t.weight_decay,
+                        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
+                        bf16=bf16, params_dtype=getattr(torch, cfg.model.params_dtype)),
+        [ddp],
+    )
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=lr, min_lr=min(t.min_lr, lr), lr_warmup_steps=min(t.warmup_steps, max(steps - 1, 0)),
+        lr_decay_steps=max(steps, 1), lr_decay_style="cosine", start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=max(steps, 1), wd_incr_style="constant",
+    )
+    return ddp, opt, sched
+
+
+def _set_trainable(model, phase: str) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(phase == "trunk" or name.startswith("mtp."))
+
+
+class _Logger:
+    """TensorBoard + console on the logging rank; no-ops elsewhere."""
+
+    def __init__(self, root: Path, phase: str, enabled: bool):
+        self.enabled, self.phase, self.writer = enabled, phase, None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.dir = root / "tensorboard"
+            self.writer = SummaryWriter(str(self.dir))
+
+    def scalars(self, step: int, metrics: dict) -> None:
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(f"{self.phase}/{k}", v, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: int, lr: float,
+              init_from: Optional[Path]) -> PhaseResult:
+    from megatron.core import parallel_state
+
+    model = build_model(cfg, platform)
+    _set_trainable(model, phase)
+    model.mtp_kl_weight = 0.0
+    ddp, opt, sched = _wrap_and_optimizer(cfg, model, lr, steps)
+
+    step, consumed = 0, 0
+    resume_from = latest_checkpoint(root) if cfg.train.resume else None
+    if resume_from is not None:
+        extra = load_checkpoint(resume_from, ddp, opt)
+        step, consumed = int(extra["step"]), int(extra["consumed_samples"])
+        if "scheduler" in extra:
+            sched.load_state_dict(json.loads(extra["scheduler"]))
+        if is_logging_rank():
+            log.info("[%s] resumed from %s at step %d", phase, resume_from, step)
+    elif init_from is not None:
+        load_model_weights(init_from, ddp)
+        if is_logging_rank():
+            log.info("[%s] initialised weights from %s", phase, init_from)
+
+    data = build_dataset(cfg, cfg.model.vocab_size)
+    p = cfg.parallel
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_group = parallel_state.get_data_parallel_group()
+    logger = _Logger(root, phase, is_logging_rank())
+    progress = None
+    if is_logging_rank() and cfg.train.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=steps, initial=step, desc=f"{phase}", unit="step", dynamic_ncols=True)
+
+    first, last = {}, {}
+    save_every = cfg.train.save_interval or steps
+    ckpt = resume_from
+    t0 = time.time()
+    while step < steps:
+        if cfg.mtp.kl_warmup_steps > 0 and cfg.mtp.loss in ("tv", "e2e_tv"):
+            model.mtp_kl_weight = max(0.0, 1.0 - step / cfg.mtp.kl_warmup_steps)
+        mbs = list(microbatches_for_step(data, consumed, p.global_batch_size, p.micro_batch_size, dp_rank, dp_size))
+        loss_sum, ntok, grad_norm, ok = train_iteration([ddp], opt, mbs, cfg.data.seq_length)
+        sched.step(increment=1)
+        step += 1
+        consumed += p.global_batch_size
+        if step % cfg.train.log_interval == 0 or step == steps or step == 1:
+            metrics = {}
+            if parallel_state.is_pipeline_last_stage():
+                metrics = model.mtp_metrics.reduce(dp_group)
+                lm = torch.tensor([loss_sum, ntok], dtype=torch.float64)
+                if dp_size > 1:
+                    dist.all_reduce(lm, group=dp_group)
+                metrics["lm_loss"] = float(lm[0] / max(lm[1], 1))
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+            metrics["lr"] = opt.param_groups[0]["lr"]
+            metrics["steps_per_s"] = 1.0 / max((time.time() - t0) / cfg.train.log_interval, 1e-9)
+            t0 = time.time()
+            if is_logging_rank():
+                logger.scalars(step, metrics)
+                if not first:
+                    first = dict(metrics)
+                last = dict(metrics)
+                msg = (f"[{phase}] step {step}/{steps} lm_loss {metrics.get('lm_loss', float('nan')):.4f} "
+                       f"mtp_loss {metrics.get('mtp/loss', float('nan')):.4f} "
+                       f"accept {metrics.get('mtp/accept_rate', float('nan')):.3f} "
+                       f"E[acc] {metrics.get('mtp/expected_accepted', float('nan')):.3f} "
+                       f"H(p) {metrics.get('mtp/target_entropy', float('nan')):.3f}")
+                if progress is not None:
+                    progress.write(msg)
+                else:
+                    log.info(msg)
+        if progress is not None:
+            progress.update(1)
+        if step % save_every == 0 or step == steps:
+            ckpt = save_checkpoint(
+                root, step, ddp, opt,
+                extra={"consumed_samples": consumed, "phase": phase,
+                       "scheduler": json.dumps(sched.state_dict()), "config": json.dumps(cfg.to_dict())},
+            )
+    if progress is not None:
+        progress.close()
+    logger.close()
+    return PhaseResult(ckpt, first, last, step)
+
+
+def train_mtp(cfg: Config) -> dict:
+    """Run the whole ``train-mtp`` job; returns a summary (also written to summary.json)."""
+    p = cfg.parallel
+    platform = initialize_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                      seed=cfg.train.seed, force_cpu=p.force_cpu)
+    cfg.validate(world_size=dist.get_world_size())
+    out = Path(cfg.train.output_dir)
+    if is_logging_rank():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    init_from = Path(cfg.train.load) if cfg.train.load else None
+    if init_from is not None and latest_checkpoint(init_from) is None:
+        raise FileNotFoundError(f"train.load={init_from} holds no checkpoint")
+    if init_from is not None:
+        init_from = latest_checkpoint(init_from)
+    summary: dict = {"output_dir": str(out)}
+    resuming_mtp = cfg.train.resume and latest_checkpoint(out / "mtp") is not None
+    if cfg.train.trunk_warmup_steps > 0 and init_from is None and not resuming_mtp:
+        res = run_phase(cfg, platform, "trunk", out / "trunk", cfg.train.trunk_warmup_steps, cfg.train.trunk_lr, None)
+        init_from = res.checkpoint
+        summary["trunk"] = {"checkpoint": str(res.checkpoint), "first": res.first_metrics, "last": res.last_metrics}
+    res = run_phase(cfg, platform, "mtp", out / "mtp", cfg.train.steps, cfg.train.lr, init_from)
+    summary["mtp"] = {"checkpoint": str(res.checkpoint), "first": res.first_metrics, "last": res.last_metrics}
+    summary["tensorboard"] = [str(out / "trunk" / "tensorboard"), str(out / "mtp" / "tensorboard")]
+    if is_logging_rank():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
