@@ -7,7 +7,7 @@ Notation (per token position t of a sequence, γ MTP depths k = 1..γ):
     accepts draft k given the earlier drafts were accepted.
 
 Losses (averaged over valid positions):
-  * ``ce``:     Megatron's MTP cross entropy on the shifted labels;
+  * ``ce``:     Megatron's MTP cross entropy on the shifted labels (token t+k+1 at depth k);
   * ``kl``:     (1/γ) Σ_k KL(p_k || q_k);
   * ``tv``:     (1/γ) Σ_k (1 - α_k);
   * ``e2e_tv``: 1 - (1/γ) Σ_j Π_{i≤j} α_i = 1 - E[accepted drafts]/γ; only at positions where
@@ -43,6 +43,11 @@ def _all_reduce(t: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
     return t
 
 
+def _upcast(t: Tensor) -> Tensor:
+    """fp16/bf16 -> fp32 for the softmax maths; fp32/fp64 stay as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _pad_mask(local_vocab: int, vocab_start: int, true_vocab_size: Optional[int], device) -> Optional[Tensor]:
     """Bool [V/TP], True where the id is padding (>= true vocab size); None if no padding here."""
     if true_vocab_size is None or vocab_start + local_vocab <= true_vocab_size:
@@ -54,8 +59,8 @@ def _pad_mask(local_vocab: int, vocab_start: int, true_vocab_size: Optional[int]
 def vocab_parallel_softmax(
     logits: Tensor, group=None, pad_mask: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor]:
-    """Softmax over the full (sharded) vocabulary. Returns (probs_local fp32, log-sum-exp)."""
-    z = logits.float()
+    """Softmax over the full (sharded) vocabulary. Returns (probs_local >= fp32, log-sum-exp)."""
+    z = _upcast(logits)
     if pad_mask is not None:
         z = z.masked_fill(pad_mask, float("-inf"))
     zmax = z.max(dim=-1).values
@@ -70,7 +75,7 @@ def vocab_parallel_softmax(
 @torch.no_grad()
 def vocab_parallel_entropy(probs: Tensor, logits: Tensor, lse: Tensor, group=None) -> Tensor:
     """H(p) = lse - Σ p·z per token (p = softmax(z)); zero-probability entries contribute 0."""
-    pz = torch.where(probs > 0, probs * logits.float(), torch.zeros_like(probs)).sum(-1)
+    pz = torch.where(probs > 0, probs * _upcast(logits), torch.zeros_like(probs)).sum(-1)
     _all_reduce(pz, group)
     return lse - pz
 
@@ -111,7 +116,7 @@ class _VocabParallelForwardKL(torch.autograd.Function):
         q, lse = vocab_parallel_softmax(logits, group, pad_mask)
         p = target_probs
         pos = p > 0
-        z = logits.float()
+        z = _upcast(logits)
         # Σ p log p - Σ p z + lse, skipping p == 0 (incl. padded ids where z may be -inf)
         plogp = torch.where(pos, p * torch.log(torch.where(pos, p, torch.ones_like(p))), torch.zeros_like(p))
         pz = torch.where(pos, p * z, torch.zeros_like(p))
@@ -126,6 +131,33 @@ class _VocabParallelForwardKL(torch.autograd.Function):
     def backward(ctx, grad_kl: Tensor):
         (q_minus_p,) = ctx.saved_tensors
         return (q_minus_p * grad_kl.unsqueeze(-1)).to(ctx.dtype), None, None, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """-log softmax(z)[label] over the sharded vocab (as megatron-core's, with an explicit group
+    and padding masked); dCE/dz = q - onehot(label)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, group, pad_mask: Optional[Tensor], vocab_start: int):
+        q, lse = vocab_parallel_softmax(logits, group, pad_mask)
+        local = labels - vocab_start
+        here = (local >= 0) & (local < logits.shape[-1])
+        idx = torch.where(here, local, torch.zeros_like(local)).unsqueeze(-1)
+        z_label = torch.where(here, _upcast(logits).gather(-1, idx).squeeze(-1), torch.zeros_like(lse))
+        _all_reduce(z_label, group)
+        ctx.save_for_backward(q.scatter_add_(-1, idx, -here.unsqueeze(-1).to(q.dtype)))
+        ctx.dtype = logits.dtype
+        return lse - z_label
+
+    @staticmethod
+    def backward(ctx, grad_ce: Tensor):
+        (q_minus_onehot,) = ctx.saved_tensors
+        return (q_minus_onehot * grad_ce.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group=None, pad_mask=None, vocab_start: int = 0) -> Tensor:
+    """Per-token cross entropy of ``labels`` (global ids) under softmax(logits) over the sharded vocab."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, group, pad_mask, vocab_start)
 
 
 def vocab_parallel_alpha(logits: Tensor, target_probs: Tensor, group=None, pad_mask=None) -> Tensor:
@@ -234,13 +266,11 @@ def mtp_objective(
         if loss_type == "ce":
             if labels is None:
                 raise ValueError("mtp loss 'ce' needs labels")
-            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-            with torch.no_grad():  # before the CE, which exponentiates its input in place
+            with torch.no_grad():
                 alphas.append(vocab_parallel_alpha(logits_k.detach(), target_for(k), tp_group, pad_mask))
             shifted = torch.zeros_like(labels)
             shifted[:, : s - k] = labels[:, k:]
-            ce = vocab_parallel_cross_entropy(logits_k.float(), shifted.t().contiguous())
+            ce = vocab_parallel_cross_entropy(logits_k, shifted.t(), tp_group, pad_mask, vocab_start)
             per_depth_loss.append((ce * valid_sb).sum() / denom)
             continue
         p_k = target_for(k)

@@ -1,0 +1,92 @@
+"""Tensor-parallel layout of megatron-core parameters: full (TP=1) tensor <-> this rank's shard.
+
+megatron-core tags each TP-split parameter with ``tensor_model_parallel=True`` and its
+``partition_dim`` (0 for column-parallel weights, the vocab-parallel embedding and the output
+layer; 1 for row-parallel weights). The one exception to "contiguous chunk along
+partition_dim" is the gated MLP's ``linear_fc1`` ([gate; up] stacked): each rank holds
+[gate_r; up_r], so gate and up are chunked separately. ``linear_qkv`` is already laid out per
+query group ([q.., k, v] per group), so a contiguous chunk is a whole set of groups.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _is_gated_fc1(name: str, gated: bool) -> bool:
+    return gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
+
+
+def shard_tensor(name: str, full: Tensor, local: Tensor, tp_rank: int, tp_size: int, gated: bool) -> Tensor:
+    """This rank's shard of ``full`` for a parameter shaped like ``local``."""
+    if not getattr(local, "tensor_model_parallel", False) or tp_size == 1:
+        if full.shape != local.shape:
+            raise ValueError(f"{name}: full shape {tuple(full.shape)} != local {tuple(local.shape)}")
+        return full
+    dim = local.partition_dim
+    if _is_gated_fc1(name, gated):
+        gate, up = torch.chunk(full, 2, dim=dim)
+        shard = torch.cat([torch.chunk(gate, tp_size, dim)[tp_rank], torch.chunk(up, tp_size, dim)[tp_rank]], dim)
+    else:
+        if full.shape[dim] % tp_size:
+            raise ValueError(f"{name}: dim {dim} of size {full.shape[dim]} not divisible by TP {tp_size}")
+        shard = torch.chunk(full, tp_size, dim=dim)[tp_rank]
+    if shard.shape != local.shape:
+        raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != local {tuple(local.shape)}")
+    return shard
+
+
+def gather_tensor(name: str, local: Tensor, tp_group, gated: bool) -> Tensor:
+    """Inverse of :func:`shard_tensor` (collective over ``tp_group``)."""
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    if not getattr(local, "tensor_model_parallel", False) or tp_size == 1:
+        return local.detach().clone()
+    dim = local.partition_dim
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
+    if _is_gated_fc1(name, gated):
+        halves = [torch.chunk(p, 2, dim=dim) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return torch.cat(parts, dim=dim)
+
+
+def load_full_state_dict(model, full: dict[str, Tensor], names: Iterable[str] | None = None) -> None:
+    """Copy TP=1 tensors into this rank's (sharded) parameters, for the given names (default: all)."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    gated = model.config.gated_linear_unit
+    params = dict(model.named_parameters())
+    for name in names if names is not None else params:
+        if name not in full:
+            raise KeyError(f"missing tensor {name!r} in the full state dict")
+        with torch.no_grad():
+            params[name].copy_(shard_tensor(name, full[name], params[name], rank, size, gated))
+
+
+def gather_full(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """TP=1 view of this stage's parameters (or of same-shaped tensors, e.g. their grads)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    gated = model.config.gated_linear_unit
+    out = {}
+    for name, p in model.named_parameters():
+        t = p if tensors is None else tensors[name]
+        if tensors is not None:  # carry the TP attributes of the parameter
+            t = _with_tp_attrs(t, p)
+        out[name] = gather_tensor(name, t, group, gated)
+    return out
+
+
+def _with_tp_attrs(t: Tensor, p: Tensor) -> Tensor:
+    t = t.detach()
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+        if hasattr(p, attr):
+            setattr(t, attr, getattr(p, attr))
+    return t
