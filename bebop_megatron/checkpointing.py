@@ -8,10 +8,18 @@ Layout under ``<dir>/checkpoints``::
 A checkpoint is written to ``iter_N.tmp`` and renamed only once every rank has finished, and
 ``latest`` is replaced atomically after that, so a run killed at any point leaves either the
 previous or the new checkpoint, never a half-written one marked as latest.
+
+Model weights use megatron-core's sharded state dict (reshardable: save at TP1/PP1, load at any
+TP/PP). Optimizer state is stored per (PP, TP) rank as a ``ShardedObject`` (replicated over DP):
+megatron's own optimizer sharded state keeps ``common_step``/``param_groups`` in the rank-0 common
+state, which breaks when a pipeline stage has no trainable parameters (the frozen trunk stages of
+MTP training). Resuming the optimizer therefore needs the same TP/PP; ``load_optimizer=False``
+restarts it (as Megatron-LM's ``--no-load-optim``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -46,6 +54,26 @@ def model_sharded_state_dict(model):
     return _unwrap(model).sharded_state_dict(metadata=sharded_metadata())
 
 
+def _parallel_layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size()}
+
+
+def _optimizer_object(optimizer, data=None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    lay = _parallel_layout()
+    return ShardedObject(
+        "optimizer.per_rank_state",
+        optimizer.state_dict() if data is None else data,
+        (lay["pp"], lay["tp"]),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
     """The newest complete checkpoint under ``root/checkpoints`` (or ``root`` itself if it is one)."""
     root = Path(root)
@@ -73,8 +101,9 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer=None, extra: O
     _barrier()
     state: dict[str, Any] = {"model": model_sharded_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
-    state["extra"] = dict(extra or {}, step=step)
+        state["optimizer"] = _optimizer_object(optimizer)
+    state["extra"] = dict(extra or {}, step=step, parallel=json.dumps(_parallel_layout()),
+                          has_optimizer=optimizer is not None)
     dist_checkpointing.save(state, str(tmp))
     _barrier()
     if _rank0():
@@ -88,8 +117,12 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer=None, extra: O
     return final
 
 
+class CheckpointMismatch(RuntimeError):
+    """The checkpoint cannot be resumed as asked (e.g. optimizer state under another TP/PP)."""
+
+
 def load_checkpoint(path: str | Path, model, optimizer=None, strict: bool = True) -> dict:
-    """Load into ``model`` (and ``optimizer``) at any TP/PP; returns the ``extra`` dict."""
+    """Load the model at any TP/PP (and the optimizer at the saved TP/PP); returns ``extra``."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -97,13 +130,32 @@ def load_checkpoint(path: str | Path, model, optimizer=None, strict: bool = True
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
     sharded: dict[str, Any] = {"model": model_sharded_state_dict(model)}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+        common = dist_checkpointing.load_common_state_dict(str(path)).get("extra", {})
+        saved = json.loads(common.get("parallel", "null") or "null")
+        if not common.get("has_optimizer", False):
+            raise CheckpointMismatch(f"{path} holds no optimizer state; load it as weights only")
+        if saved != _parallel_layout():
+            raise CheckpointMismatch(
+                f"{path}: optimizer state was saved at TP/PP {saved} but this run is {_parallel_layout()}; "
+                "model weights reshard, optimizer state does not: resume with the saved layout, or start "
+                "from the weights only (train.load=<checkpoint>, fresh output_dir)")
+        sharded["optimizer"] = _optimizer_object(optimizer, data={})
     state = dist_checkpointing.load(sharded, str(path))
     _unwrap(model).load_state_dict(state["model"], strict=strict)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     extra = state.get("extra", {})
     return {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in extra.items()}
+
+
+def checkpoint_config(path: str | Path) -> dict:
+    """The run config stored in a checkpoint's common state."""
+    from megatron.core import dist_checkpointing
+
+    extra = dist_checkpointing.load_common_state_dict(str(path)).get("extra", {})
+    if "config" not in extra:
+        raise CheckpointMismatch(f"{path} records no config")
+    return json.loads(extra["config"])
 
 
 def load_model_weights(path: str | Path, model) -> dict:

@@ -22,7 +22,14 @@ def _train_mtp(args) -> int:
     cfg = Config.load(args.config, args.overrides)
     try:
         summary = train_mtp(cfg)
-        if is_logging_rank():
+        if is_logging_rank() and summary.get("exited_early"):
+            print(f"\nStopped after train.exit_interval={cfg.train.exit_interval} steps (checkpointed); "
+                  f"rerun the same command to resume. Output: {summary['output_dir']}")
+        elif is_logging_rank() and summary["mtp"]["steps_run"] == 0:
+            print(f"\nNothing to do: {summary['output_dir']} already holds a finished run "
+                  f"(step {summary['mtp']['step']}). Remove it or set --set train.output_dir=... to start over.")
+            print(f"  checkpoint:  {summary['mtp']['checkpoint']}")
+        elif is_logging_rank():
             last = summary["mtp"]["last"]
             first = summary["mtp"]["first"]
             print(f"\nMTP training done ({cfg.mtp.loss}, γ={cfg.model.mtp_num_layers}).")
@@ -57,10 +64,17 @@ def main(argv=None) -> int:
     _add_config_args(p)
     p.set_defaults(func=_train_mtp)
     args = parser.parse_args(argv)
+    from bebop_megatron.checkpointing import CheckpointMismatch
+    from bebop_megatron.data import DataError
+    from bebop_megatron.model.spec import MissingOptionalDependency
+
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"bebop: config error: {e}", file=sys.stderr)
+        return 2
+    except (DataError, CheckpointMismatch, MissingOptionalDependency, FileNotFoundError) as e:
+        print(f"bebop: error: {e}", file=sys.stderr)
         return 2
 
 

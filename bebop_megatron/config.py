@@ -114,6 +114,7 @@ class TrainConfig:
     trunk_lr: float = 3e-3
     log_interval: int = 10
     save_interval: int = 0  # 0: only at the end
+    exit_interval: int = 0  # stop (checkpointed) after this many steps in one invocation, like Megatron-LM
     output_dir: str = "outputs/train_mtp"
     load: Optional[str] = None  # checkpoint folder to start from (model only unless resuming)
     resume: bool = True  # continue from output_dir/checkpoints/latest if present

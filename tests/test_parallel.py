@@ -101,7 +101,7 @@ def test_tp2_equals_tp1_all_losses(tie, detach):
             assert r["mtp_gnorm"] > 0, loss_type
 
 
-def _pp_worker(rank, world):
+def _pp_worker(rank, world, tie, ckpt_dir):
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -110,7 +110,7 @@ def _pp_worker(rank, world):
     from bebop_megatron.parallel import initialize_distributed
     from bebop_megatron.training.step import train_iteration
 
-    cfg = tiny_config(num_layers=4, tie_word_embeddings=False)
+    cfg = tiny_config(num_layers=4, tie_word_embeddings=tie)
     batches = [Batch(*_batch(100 + i)) for i in range(3)]
 
     def run(model):
@@ -146,18 +146,28 @@ def _pp_worker(rank, world):
         for n, p in model2.named_parameters():
             p.copy_(full[global_name(n)])
     loss, metrics, grads = run(model2)
+
+    # PP=2 checkpoint round trip (tied embeddings put an embedding copy on the MTP stage)
+    from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    save_checkpoint(ckpt_dir, 1, model2)
+    model3 = build_model(cfg, platform)
+    load_checkpoint(latest_checkpoint(ckpt_dir), model3)
+    ckpt_equal = all(torch.equal(a, b) for a, b in zip(model2.parameters(), model3.parameters()))
     grad_diff = max((grads[n] - ref_grads[global_name(n)]).abs().max().item() for n in grads)
     grad_scale = max(g.abs().max().item() for g in grads.values())
     out = {"stage": parallel_state.get_pipeline_model_parallel_rank(), "grad_diff": grad_diff,
-           "grad_scale": grad_scale, "names": sorted(grads)}
+           "grad_scale": grad_scale, "names": sorted(grads), "ckpt_equal": ckpt_equal}
     if parallel_state.is_pipeline_last_stage():
         out.update(loss=loss, ref_loss=ref_loss, mtp=metrics["mtp/loss"], ref_mtp=ref_metrics["mtp/loss"],
                    alpha=metrics["mtp/accept_rate"], ref_alpha=ref_metrics["mtp/accept_rate"])
     return out
 
 
-def test_pp2_schedule_equals_pp1():
-    r0, r1 = run_distributed(_pp_worker, 2)
+@pytest.mark.parametrize("tie", [False, True])
+def test_pp2_schedule_equals_pp1(tie, tmp_path):
+    r0, r1 = run_distributed(_pp_worker, 2, tie, str(tmp_path / "ck"))
+    assert r0["ckpt_equal"] and r1["ckpt_equal"]
     assert r0["stage"] == 0 and r1["stage"] == 1
     assert not any(n.startswith("mtp.") for n in r0["names"]) and any(n.startswith("mtp.") for n in r1["names"])
     assert abs(r1["loss"] - r1["ref_loss"]) < 1e-5, r1

@@ -65,6 +65,12 @@ class BebopGPTModel(GPTModel):
         self.mtp_metrics = MTPMetrics(gamma)
         if self.mtp_process and not self.post_process:
             raise ValueError("MTP layers must live on the last pipeline stage (no custom PP layout)")
+        if (self.share_embeddings_and_output_weights and self.mtp_process and not self.pre_process
+                and self.output_layer.weight is not None):
+            # megatron-core 0.16.1 allocates an output weight on the MTP stage even though the
+            # tied head uses that stage's embedding copy (shared_embedding_or_output_weight), and
+            # its own sharded_state_dict asserts the weight is absent: drop the dead parameter.
+            self.output_layer.weight = None
 
     # ------------------------------------------------------------------ helpers
     def _no_grad_embedding(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:

@@ -2,8 +2,9 @@
 
 Phases:
   1. optional trunk warm-up (``train.trunk_warmup_steps`` > 0, only for a model with no
-     checkpoint to start from): the whole model trains with next-token CE while the MTP
-     heads follow with their detached objective; saved under ``<output_dir>/trunk``;
+     checkpoint to start from, e.g. the tiny CPU default): the trunk trains with next-token CE,
+     the MTP heads stay at their initialisation (their acceptance is still logged);
+     saved under ``<output_dir>/trunk``;
   2. MTP training: trunk, embedding and output layer frozen; only ``mtp.*`` parameters get
      gradients, from ``mtp.loss`` (e2e_tv by default, the Bebop recipe).
 
@@ -41,7 +42,10 @@ class PhaseResult:
     checkpoint: Optional[Path]
     first_metrics: dict
     last_metrics: dict
-    steps: int
+    steps: int  # the step reached
+    steps_run: int  # steps executed by this invocation
+    start_step: int
+    exited_early: bool = False
 
 
 def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int):
@@ -74,8 +78,9 @@ def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int):
 
 
 def _set_trainable(model, phase: str) -> None:
+    """trunk phase: everything but the MTP heads; mtp phase: only the MTP heads."""
     for name, p in model.named_parameters():
-        p.requires_grad_(phase == "trunk" or name.startswith("mtp."))
+        p.requires_grad_(name.startswith("mtp.") == (phase == "mtp"))
 
 
 class _Logger:
@@ -138,8 +143,10 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
     first, last = {}, {}
     save_every = cfg.train.save_interval or steps
     ckpt = resume_from
+    start_step = step
+    exit_at = start_step + cfg.train.exit_interval if cfg.train.exit_interval > 0 else None
     t0 = time.time()
-    while step < steps:
+    while step < steps and (exit_at is None or step < exit_at):
         if cfg.mtp.kl_warmup_steps > 0 and cfg.mtp.loss in ("tv", "e2e_tv"):
             model.mtp_kl_weight = max(0.0, 1.0 - step / cfg.mtp.kl_warmup_steps)
         mbs = list(microbatches_for_step(data, consumed, p.global_batch_size, p.micro_batch_size, dp_rank, dp_size))
@@ -175,7 +182,7 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
                     log.info(msg)
         if progress is not None:
             progress.update(1)
-        if step % save_every == 0 or step == steps:
+        if step % save_every == 0 or step == steps or step == exit_at:
             ckpt = save_checkpoint(
                 root, step, ddp, opt,
                 extra={"consumed_samples": consumed, "phase": phase,
@@ -184,7 +191,7 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
     if progress is not None:
         progress.close()
     logger.close()
-    return PhaseResult(ckpt, first, last, step)
+    return PhaseResult(ckpt, first, last, step, step - start_step, start_step, step < steps)
 
 
 def train_mtp(cfg: Config) -> dict:
@@ -196,7 +203,9 @@ def train_mtp(cfg: Config) -> dict:
     out = Path(cfg.train.output_dir)
     if is_logging_rank():
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        # the run's first config; every checkpoint also records the config it was written with
+        if not (out / "config.json").exists():
+            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
     init_from = Path(cfg.train.load) if cfg.train.load else None
     if init_from is not None and latest_checkpoint(init_from) is None:
@@ -208,9 +217,22 @@ def train_mtp(cfg: Config) -> dict:
     if cfg.train.trunk_warmup_steps > 0 and init_from is None and not resuming_mtp:
         res = run_phase(cfg, platform, "trunk", out / "trunk", cfg.train.trunk_warmup_steps, cfg.train.trunk_lr, None)
         init_from = res.checkpoint
-        summary["trunk"] = {"checkpoint": str(res.checkpoint), "first": res.first_metrics, "last": res.last_metrics}
+        summary["trunk"] = _phase_summary(res)
+        if res.exited_early:
+            summary["exited_early"] = True
+            return _finish(out, summary)
     res = run_phase(cfg, platform, "mtp", out / "mtp", cfg.train.steps, cfg.train.lr, init_from)
-    summary["mtp"] = {"checkpoint": str(res.checkpoint), "first": res.first_metrics, "last": res.last_metrics}
+    summary["mtp"] = _phase_summary(res)
+    summary["exited_early"] = res.exited_early
+    return _finish(out, summary)
+
+
+def _phase_summary(res: PhaseResult) -> dict:
+    return {"checkpoint": str(res.checkpoint), "first": res.first_metrics, "last": res.last_metrics,
+            "step": res.steps, "start_step": res.start_step, "steps_run": res.steps_run}
+
+
+def _finish(out: Path, summary: dict) -> dict:
     summary["tensorboard"] = [str(out / "trunk" / "tensorboard"), str(out / "mtp" / "tensorboard")]
     if is_logging_rank():
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

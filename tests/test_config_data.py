@@ -1,0 +1,121 @@
+"""Config loading/validation and data loading: clear errors for bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bebop_megatron.config import Config, ConfigError
+from bebop_megatron.data import CharTokenizer, DataError, TokenWindows, load_jsonl_tokens, microbatches_for_step
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = Config.load(path)
+    world = 1 if path.name == "tiny_cpu.yaml" else 8  # the presets are for one 8-GPU node
+    cfg.validate(world_size=world)
+    assert cfg.model.mtp_num_layers >= 1
+
+
+def test_qwen3_shapes():
+    cfg = Config.load(Path(CONFIGS[0]).parent / "qwen3_4b.yaml")
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
+            m.kv_channels, m.vocab_size) == (36, 2560, 9728, 32, 8, 128, 151936)
+    assert m.qk_layernorm and not m.add_qkv_bias  # qwen3 defaults
+    assert m.padded_vocab_size(2) % 256 == 0
+
+
+def test_overrides_and_yaml_types(tmp_path):
+    cfg = Config.load(CONFIGS[0], ["model.mtp_num_layers=4", "mtp.loss=tv", "train.load=null"])
+    assert cfg.model.mtp_num_layers == 4 and cfg.mtp.loss == "tv" and cfg.train.load is None
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.mtp_num_layers=0", "mtp_num_layers"),
+    ("parallel.tensor_model_parallel_size=3", "not divisible by TP 3"),
+    ("parallel.pipeline_model_parallel_size=3", "not divisible by PP 3"),
+    ("mtp.loss=mse", "mtp.loss"),
+    ("model.fp8=e5m2", "model.fp8"),
+    ("model.arch=llama", "model.arch"),
+    ("data.seq_length=100000", "max_position_embeddings"),
+    ("parallel.global_batch_size=7", "global_batch_size"),
+])
+def test_bad_configs_name_the_field(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", [override])
+
+
+def test_unknown_keys_and_files(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("model:\n  hiden_size: 3\n")
+    with pytest.raises(ConfigError, match="hiden_size"):
+        Config.load(bad)
+    bad.write_text("modle: {}\n")
+    with pytest.raises(ConfigError, match="modle"):
+        Config.load(bad)
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        Config.load(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        Config.load(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="section.key=value"):
+        Config.load(CONFIGS[0], ["oops"])
+
+
+def test_world_size_batch_arithmetic():
+    cfg = Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["parallel.global_batch_size=16",
+                                                           "parallel.micro_batch_size=4"])
+    cfg.validate(world_size=4)
+    with pytest.raises(ConfigError, match="divisible by micro_batch_size\\*DP"):
+        cfg.validate(world_size=8)
+    with pytest.raises(ConfigError, match="world size 3"):
+        Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["parallel.tensor_model_parallel_size=2"]).validate(3)
+
+
+def test_fp8_without_transformer_engine_is_a_clear_error():
+    from bebop_megatron.model.spec import MissingOptionalDependency, transformer_engine_available, use_transformer_engine
+
+    if transformer_engine_available():
+        pytest.skip("Transformer Engine is installed here")
+    cfg = Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["model.fp8=hybrid"])
+    with pytest.raises(MissingOptionalDependency, match="Transformer Engine"):
+        use_transformer_engine(cfg.model)
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    tok = CharTokenizer()
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "1+1=2;"}) + "\n" + "{not json\n")
+    with pytest.raises(DataError, match=r"d.jsonl:2: invalid JSON"):
+        load_jsonl_tokens(f, tok)
+    f.write_text(json.dumps({"input_ids": [1, 2, 999]}) + "\n")
+    with pytest.raises(DataError, match=r":1: token id 999 >= vocab_size 64"):
+        load_jsonl_tokens(f, tok, vocab_size=64)
+    f.write_text(json.dumps({"text": "héllo"}) + "\n")
+    with pytest.raises(DataError, match=r":1: characters not in"):
+        load_jsonl_tokens(f, tok)
+    f.write_text(json.dumps({"foo": 1}) + "\n")
+    with pytest.raises(DataError, match="needs 'input_ids' or 'text'"):
+        load_jsonl_tokens(f, tok)
+    with pytest.raises(DataError, match="not found"):
+        load_jsonl_tokens(tmp_path / "nope.jsonl", tok)
+
+
+def test_windows_deterministic_and_dp_sharded():
+    tok = CharTokenizer()
+    docs = [tok.encode("12+30=42; sort 3 1 2:1 2 3;") + [tok.eos_id] for _ in range(20)]
+    data = TokenWindows(docs, seq_length=16, seed=3)
+    a = list(microbatches_for_step(data, 8, 8, 2, dp_rank=0, dp_size=2))
+    b = list(microbatches_for_step(data, 8, 8, 2, dp_rank=1, dp_size=2))
+    whole = list(microbatches_for_step(data, 8, 8, 2, dp_rank=0, dp_size=1))
+    assert len(a) == len(b) == 2 and len(whole) == 4
+    import torch
+
+    assert torch.equal(torch.cat([x.tokens for x in a + b]), torch.cat([x.tokens for x in whole]))
+    assert torch.equal(a[0].labels[:, :-1], a[0].tokens[:, 1:])
+    again = TokenWindows(docs, seq_length=16, seed=3)
+    assert torch.equal(again.batch(range(8, 10)).tokens, a[0].tokens)
+    assert tok.decode(tok.encode("count a in abca:2;")) == "count a in abca:2;"

@@ -1,0 +1,157 @@
+"""`bebop train-mtp` end to end (subprocess, as a user runs it): acceptance rises, only MTP weights
+change, kill-and-resume continues without duplicated or skipped steps, checkpoints reshard."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = [
+    "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.mtp_num_layers=2",
+    "data.seq_length=32", "data.synthetic_samples=600", "parallel.micro_batch_size=8",
+    "parallel.global_batch_size=8", "train.progress=false", "train.log_interval=10",
+]
+
+
+def bebop(*args, check=True):
+    cmd = [sys.executable, "-m", "bebop_megatron.cli", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def train(out, *extra, check=True):
+    sets = [f"--set={x}" for x in FAST + [f"train.output_dir={out}", *extra]]
+    return bebop("train-mtp", "--config", "configs/tiny_cpu.yaml", *sets, check=check)
+
+
+def _load_state(rank, world, ckpt):
+    from bebop_megatron.checkpointing import checkpoint_config, load_checkpoint
+    from bebop_megatron.config import Config
+    from bebop_megatron.model import build_model
+    from bebop_megatron.parallel import initialize_distributed
+
+    cfg = Config.from_dict(checkpoint_config(ckpt))
+    platform = initialize_distributed(1, 1, seed=0)
+    model = build_model(cfg, platform)
+    extra = load_checkpoint(ckpt, model)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, extra
+
+
+def load_state(ckpt):
+    return run_distributed(_load_state, 1, str(ckpt))[0]
+
+
+def test_train_mtp_raises_acceptance_and_only_touches_mtp(tmp_path):
+    out = tmp_path / "run"
+    proc = train(out, "train.trunk_warmup_steps=120", "train.steps=80", "train.lr=0.003")
+    assert "MTP training done" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    first, last = summary["mtp"]["first"], summary["mtp"]["last"]
+    # e2e-TV training raises acceptance on the frozen target
+    assert last["mtp/accept_rate"] > first["mtp/accept_rate"] + 0.05, (first, last)
+    assert last["mtp/loss"] < first["mtp/loss"]
+    # TensorBoard event files for both phases
+    assert list((out / "trunk" / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((out / "mtp" / "tensorboard").glob("events.out.tfevents.*"))
+    # trunk frozen during MTP training: trunk weights identical, MTP weights changed
+    trunk_state, _ = load_state(summary["trunk"]["checkpoint"])
+    mtp_state, extra = load_state(summary["mtp"]["checkpoint"])
+    assert extra["step"] == 80 and extra["phase"] == "mtp"
+    changed = [n for n in trunk_state if not torch.equal(trunk_state[n], mtp_state[n])]
+    assert changed and all(n.startswith("mtp.") for n in changed), changed
+    assert len(changed) == len([n for n in trunk_state if n.startswith("mtp.")])
+
+
+def test_kill_and_resume_equals_uninterrupted(tmp_path):
+    common = ["train.trunk_warmup_steps=0", "train.steps=6", "train.save_interval=3", "train.log_interval=1"]
+    full = tmp_path / "full"
+    train(full, *common)
+    part = tmp_path / "part"
+    first = train(part, *common, "train.exit_interval=3")
+    assert "rerun the same command to resume" in first.stdout
+    s1 = json.loads((part / "summary.json").read_text())
+    assert s1["exited_early"] and s1["mtp"]["step"] == 3
+    train(part, *common)
+    s2 = json.loads((part / "summary.json").read_text())
+    assert s2["mtp"]["start_step"] == 3 and s2["mtp"]["steps_run"] == 3 and s2["mtp"]["step"] == 6
+    # resuming the optimizer under another TP/PP is refused with a clear message
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "bebop_megatron.cli",
+         "train-mtp", "--config", "configs/tiny_cpu.yaml", *[f"--set={x}" for x in FAST + common],
+         f"--set=train.output_dir={part}", "--set=train.steps=8", "--set=parallel.tensor_model_parallel_size=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "optimizer state was saved at TP/PP" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((part / "config.json").read_text())["parallel"]["tensor_model_parallel_size"] == 1
+    a, ea = load_state(json.loads((full / "summary.json").read_text())["mtp"]["checkpoint"])
+    b, eb = load_state(s2["mtp"]["checkpoint"])
+    assert ea["consumed_samples"] == eb["consumed_samples"] == 6 * 8
+    for n in a:
+        assert torch.allclose(a[n], b[n], rtol=0, atol=1e-6), n
+
+
+def test_bad_data_and_load_paths_are_clear_errors(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"text": "1+1=2;"}\n{"input_ids": [1, 2, 500]}\n')
+    proc = train(tmp_path / "o", f"data.path={bad}", check=False)
+    assert proc.returncode == 2 and "d.jsonl:2: token id 500" in proc.stderr and "Traceback" not in proc.stderr
+    proc = train(tmp_path / "o2", f"train.load={tmp_path / 'nothing'}", check=False)
+    assert proc.returncode == 2 and "holds no checkpoint" in proc.stderr
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    proc = train(tmp_path / "bad", "model.mtp_num_layers=0", check=False)
+    assert proc.returncode == 2
+    assert "mtp_num_layers" in proc.stderr and "Traceback" not in proc.stderr
+    proc = train(tmp_path / "bad", "mtp.loss=l2", check=False)
+    assert proc.returncode == 2 and "mtp.loss" in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def _reshard_worker(rank, world, ckpt_dir):
+    """Save at TP=1 (DP=2), load the same checkpoint at TP=2: identical logits."""
+    from megatron.core import parallel_state
+
+    from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+    from bebop_megatron.model import build_model
+    from bebop_megatron.parallel import initialize_distributed
+    from tests.test_parallel import _batch, tiny_config
+
+    cfg = tiny_config(tie_word_embeddings=False)
+    tokens, _, _, pos = _batch(5)
+    platform = initialize_distributed(1, 1, seed=0)
+    m1 = build_model(cfg, platform)
+    m1.eval()
+    with torch.no_grad():
+        ref = m1(tokens, pos, None)
+    save_checkpoint(ckpt_dir, 7, m1, extra={"consumed_samples": 3})
+    parallel_state.destroy_model_parallel()
+
+    cfg.parallel.tensor_model_parallel_size = 2
+    platform = initialize_distributed(2, 1, seed=99)  # different init: weights must come from the file
+    m2 = build_model(cfg, platform)
+    m2.eval()
+    extra = load_checkpoint(latest_checkpoint(ckpt_dir), m2)
+    with torch.no_grad():
+        local = m2(tokens, pos, None)  # [b, s, V/TP]
+    parts = [torch.empty_like(local) for _ in range(2)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    got = torch.cat(parts, dim=-1)
+    return {"max_diff": (got - ref).abs().max().item(), "extra": extra}
+
+
+def test_checkpoint_round_trip_and_tp_reshard(tmp_path):
+    results = run_distributed(_reshard_worker, 2, str(tmp_path / "ck"))
+    for r in results:
+        assert r["max_diff"] < 1e-5, r
+        assert r["extra"]["step"] == 7 and r["extra"]["consumed_samples"] == 3
+    ck = tmp_path / "ck" / "checkpoints"
+    assert (ck / "latest").read_text() == "iter_0000007"
+    assert not list(ck.glob("*.tmp"))
