@@ -20,6 +20,9 @@ setup(
         "sentencepiece",
         "tensorboard",
         "tqdm",
+        "fastapi",  # bebop serve: the SGLang-compatible HTTP API
+        "uvicorn",
+        "httpx",  # the rollout bridge's async client
     ],
     extras_require={
         # GPU-only; never the unrelated PyPI package named "apex".

@@ -1,0 +1,1 @@
+"""Rollouts: speculative sampling, the embedded engine, its SGLang-compatible server, and the bridge."""

@@ -1,0 +1,191 @@
+"""Sampling-parameter processing and speculative chain verification for γ MTP drafts.
+
+Verification modes (all lossless: the emitted tokens are distributed exactly as sampling from
+the target p token by token):
+
+* ``rejection`` (default, the Bebop recipe): drafts are *sampled* from q (q processed with the
+  same temperature/top-k/top-p/min-p as p); draft j is accepted with probability
+  min(1, p_j(x)/q_j(x)); at the first rejection the next token is drawn from
+  norm(max(0, p_j - q_j)) and the chain stops; if all γ are accepted a bonus token is drawn from
+  p_{γ+1}. Acceptance per draft is Σ_v min(p, q) = 1 - TV(p, q).
+* ``target_only`` (SGLang without rejection sampling): the draft is argmax q, accepted with
+  probability p(x); on rejection the next token is drawn from p with x removed. Acceptance is
+  p(argmax q), which falls as the policy's entropy rises.
+* ``greedy`` (temperature 0): accept while the draft equals argmax p; bit-identical to argmax
+  decoding given the same logits.
+
+Randomness is per request: every row draws its float64 uniforms from its own
+``torch.Generator``, so a request's tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+VERIFY_MODES = ("rejection", "target_only", "greedy")
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as tensors (temperature 0 means greedy)."""
+
+    temperature: Tensor  # [B] float
+    top_k: Tensor  # [B] long, <= 0: off
+    top_p: Tensor  # [B] float in (0, 1]
+    min_p: Tensor  # [B] float in [0, 1)
+
+    @classmethod
+    def build(cls, params: Sequence, device=None) -> "SamplingTensors":
+        return cls(
+            temperature=torch.tensor([float(p.temperature) for p in params], dtype=torch.float64, device=device),
+            top_k=torch.tensor([int(p.top_k) for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float64, device=device),
+            min_p=torch.tensor([float(p.min_p) for p in params], dtype=torch.float64, device=device),
+        )
+
+    def expand(self, n: int) -> "SamplingTensors":
+        """Repeat each row n times (row-major), for [B, n, V] flattened to [B*n, V]."""
+        return SamplingTensors(*(t.repeat_interleave(n) for t in
+                                 (self.temperature, self.top_k, self.top_p, self.min_p)))
+
+
+def process_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """Logits [B, V] -> sampling distribution [B, V] (float64), per-row params.
+
+    Temperature scales, then top-k, top-p (smallest set with mass >= top_p, the top token always
+    kept) and min-p (keep p >= min_p * max p) truncate; rows with temperature 0 become one-hot
+    on the argmax (ties: lowest id, as torch.argmax).
+    """
+    z = logits.double()
+    greedy = st.temperature <= 0
+    t = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    z = z / t.unsqueeze(-1)
+    V = z.shape[-1]
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=V), torch.full_like(st.top_k, V))
+    if bool((k < V).any()):
+        kth = torch.sort(z, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    if bool((st.top_p < 1).any()):
+        sp, idx = torch.sort(probs, dim=-1, descending=True)
+        cum_before = sp.cumsum(-1) - sp
+        drop_sorted = cum_before >= st.top_p.unsqueeze(-1)
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if bool((st.min_p > 0).any()):
+        thresh = probs.max(-1, keepdim=True).values * st.min_p.unsqueeze(-1)
+        probs = probs.masked_fill(probs < thresh, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(-1), onehot, probs)
+    return probs
+
+
+def sample_rows(probs: Tensor, generators: Sequence[Optional[torch.Generator]]) -> Tensor:
+    """One token per row by inverse CDF with a float64 uniform from the row's generator."""
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(probs.device)
+    return _inverse_cdf(probs, u)
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    cdf = probs.double().cumsum(-1)
+    x = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    x = x.clamp(max=probs.shape[-1] - 1)
+    # never return a zero-probability id (u*total can land on a flat cdf segment's end)
+    bad = probs.gather(-1, x.unsqueeze(-1)).squeeze(-1) <= 0
+    if bool(bad.any()):
+        x = torch.where(bad, probs.argmax(-1), x)
+    return x
+
+
+def draft_tokens(draft_probs: Tensor, mode: str, generators) -> Tensor:
+    """Draft token for one depth, rows [B, V]: sampled from q (rejection) or argmax q."""
+    if mode == "rejection":
+        return sample_rows(draft_probs, generators)
+    return draft_probs.argmax(-1)
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: Tensor  # [B] accepted drafts, 0..γ
+    next_token: Tensor  # [B] the resampled / bonus token emitted after the accepted drafts
+
+    def emitted(self, drafts: Tensor) -> list[list[int]]:
+        """Per row: accepted drafts followed by the next token."""
+        out = []
+        for b in range(drafts.shape[0]):
+            m = int(self.num_accepted[b])
+            out.append(drafts[b, :m].tolist() + [int(self.next_token[b])])
+        return out
+
+
+def verify_chain(
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    drafts: Tensor,
+    mode: str,
+    generators: Sequence[Optional[torch.Generator]],
+) -> VerifyResult:
+    """Verify γ chained drafts per row.
+
+    Args:
+        target_probs: [B, γ+1, V] processed target distributions at the γ+1 verified positions
+            (row j verifies draft j; row γ gives the bonus token).
+        draft_probs: [B, γ, V] processed draft distributions the drafts came from.
+        drafts: [B, γ] draft tokens.
+        mode: rejection | target_only | greedy.
+        generators: one per row (None: the global generator).
+    """
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"unknown verification mode {mode!r}; one of {VERIFY_MODES}")
+    B, g1, V = target_probs.shape
+    gamma = g1 - 1
+    p = target_probs.double()
+    p_at = p[:, :gamma].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    if mode == "greedy":
+        accept = drafts == p[:, :gamma].argmax(-1)
+    else:
+        u = torch.stack([torch.rand(gamma, generator=g, dtype=torch.float64) for g in generators]).to(p.device)
+        if mode == "rejection":
+            q_at = draft_probs.double().gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+            ratio = torch.where(q_at > 0, p_at / q_at.clamp_min(1e-300), torch.zeros_like(p_at))
+            accept = u < ratio.clamp(max=1.0)
+        else:  # target_only: draft is argmax q, accepted with probability p(x)
+            accept = u < p_at
+    num_accepted = accept.long().cumprod(-1).sum(-1)  # leading accepted drafts
+
+    rows = torch.arange(B, device=p.device)
+    stop = num_accepted.clamp(max=gamma)  # row of p used for the next token
+    p_next = p[rows, stop]  # [B, V]
+    if mode == "greedy":
+        return VerifyResult(num_accepted, p_next.argmax(-1))
+    rejected = num_accepted < gamma
+    if mode == "rejection":
+        q_stop = torch.zeros_like(p_next)
+        if gamma > 0:
+            q_stop[rejected] = draft_probs.double()[rows[rejected], stop[rejected]]
+        residual = (p_next - q_stop).clamp_min(0.0)
+    else:
+        residual = p_next.clone()
+        if gamma > 0:
+            x = drafts[rows[rejected], stop[rejected]]
+            residual[rows[rejected], x] = 0.0
+    # rows with all drafts accepted draw the bonus from p; an empty residual (p == q up to
+    # rounding) falls back to p, which is then the exact conditional anyway
+    empty = residual.sum(-1) <= 1e-12
+    dist = torch.where((rejected & ~empty).unsqueeze(-1), residual, p_next)
+    next_token = sample_rows(dist, generators)
+    return VerifyResult(num_accepted, next_token)
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """(1 - α^{γ+1}) / (1 - α): tokens per verify step with i.i.d. per-draft acceptance α."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)

@@ -1,0 +1,200 @@
+"""Speculative verification is lossless and accepts at the predicted rate (strict statistics)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bebop_megatron.rollout.sampling import (
+    SamplingTensors,
+    draft_tokens,
+    expected_tokens_per_step,
+    process_logits,
+    sample_rows,
+    verify_chain,
+)
+
+
+def gens(n, seed):
+    return [torch.Generator().manual_seed(seed * 100003 + i) for i in range(n)]
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a zero-probability outcome"
+    exp = probs[keep] * n
+    stat = ((counts[keep] - exp) ** 2 / exp).sum().item()
+    return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+def rand_dist(V, g, sharp=1.0):
+    return torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * sharp, -1)
+
+
+@pytest.mark.parametrize("mode", ["rejection", "target_only"])
+def test_single_draft_acceptance_rate_matches_theory(mode):
+    g = torch.Generator().manual_seed(0)
+    V, N = 11, 40000
+    p, q = rand_dist(V, g, 1.5), rand_dist(V, g, 1.5)
+    q[3] = 0.0  # a token the draft never proposes
+    q = q / q.sum()
+    gs = gens(N, 1)
+    P = p.expand(N, 1, V).repeat(1, 2, 1)  # [N, γ+1=2, V]
+    Q = q.expand(N, 1, V).clone()
+    d = draft_tokens(Q[:, 0], mode, gs)
+    res = verify_chain(P, Q, d.unsqueeze(-1), mode, gs)
+    rate = res.num_accepted.double().mean().item()
+    expected = torch.minimum(p, q).sum().item() if mode == "rejection" else p[q.argmax()].item()
+    sigma = math.sqrt(expected * (1 - expected) / N)
+    assert abs(rate - expected) < 4 * sigma, (rate, expected, sigma)
+    # the emitted first token is distributed as p
+    first = torch.where(res.num_accepted > 0, d, res.next_token)
+    assert chi2_pvalue(torch.bincount(first, minlength=V).double(), p) > 1e-4
+
+
+class ToyLM:
+    """Context-dependent target and draft over a small vocab: p(x | prev), q_k(x | prev)."""
+
+    def __init__(self, V=5, gamma=3, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.V, self.gamma = V, gamma
+        self.T = torch.stack([rand_dist(V, g, 1.2) for _ in range(V)])  # target transitions
+        mix = [torch.stack([rand_dist(V, g, 1.2) for _ in range(V)]) for _ in range(gamma)]
+        self.Q = [0.5 * self.T + 0.5 * m for m in mix]  # drafts: correlated but different
+
+    def speculative_tokens(self, start, n_tokens, mode, generator):
+        """Emit ≥ n_tokens by draft+verify rounds, one request, return the first n_tokens."""
+        out, prev = [], start
+        while len(out) < n_tokens:
+            drafts, qs, p_rows, ctx = [], [], [], prev
+            for k in range(self.gamma):
+                q = self.Q[k][ctx].unsqueeze(0)
+                d = draft_tokens(q, mode, [generator])
+                drafts.append(int(d))
+                qs.append(q[0])
+                ctx = int(d)
+            ctx = prev
+            for k in range(self.gamma + 1):
+                p_rows.append(self.T[ctx])
+                if k < self.gamma:
+                    ctx = drafts[k]
+            res = verify_chain(torch.stack(p_rows).unsqueeze(0), torch.stack(qs).unsqueeze(0),
+                               torch.tensor([drafts]), mode, [generator])
+            emitted = res.emitted(torch.tensor([drafts]))[0]
+            out.extend(emitted)
+            prev = emitted[-1]
+        return out[:n_tokens]
+
+
+@pytest.mark.parametrize("mode", ["rejection", "target_only"])
+def test_joint_distribution_of_three_tokens_matches_target(mode):
+    """Chi-square on the joint law of 3 emitted tokens against the exact target law."""
+    toy = ToyLM()
+    V, start, N = toy.V, 2, 12000
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(V, V, V, dtype=torch.float64)
+    for _ in range(N):
+        a, b, c = toy.speculative_tokens(start, 3, mode, gen)
+        counts[a, b, c] += 1
+    exact = toy.T[start].view(V, 1, 1) * toy.T.view(V, V, 1) * toy.T.unsqueeze(0)
+    p = chi2_pvalue(counts.flatten(), exact.flatten())
+    assert p > 1e-4, p
+
+
+def test_chi_square_detects_a_lossy_verifier():
+    """Sanity of the test itself: accepting every draft (a lossy verifier) must fail it."""
+    toy = ToyLM()
+    V, start, N = toy.V, 2, 6000
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.zeros(V ** 3, dtype=torch.float64)
+    for _ in range(N):
+        a = int(draft_tokens(toy.Q[0][start].unsqueeze(0), "rejection", [gen]))
+        b = int(draft_tokens(toy.Q[1][a].unsqueeze(0), "rejection", [gen]))
+        c = int(draft_tokens(toy.Q[2][b].unsqueeze(0), "rejection", [gen]))
+        counts[a * V * V + b * V + c] += 1
+    exact = (toy.T[start].view(V, 1, 1) * toy.T.view(V, V, 1) * toy.T.unsqueeze(0)).flatten()
+    assert chi2_pvalue(counts, exact) < 1e-6
+
+
+def test_greedy_is_argmax_decoding():
+    toy = ToyLM(V=7, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    for mode in ["greedy"]:
+        got = toy.speculative_tokens(1, 12, mode, gen)
+        ref, prev = [], 1
+        for _ in range(12):
+            prev = int(toy.T[prev].argmax())
+            ref.append(prev)
+        assert got == ref
+
+
+def test_edge_cases_zero_q_empty_residual_equal_dists():
+    V = 6
+    p = torch.softmax(torch.randn(V, dtype=torch.float64), -1)
+    # p == q: always accepted, bonus from p
+    P = p.expand(500, 3, V).clone()
+    Q = p.expand(500, 2, V).clone()
+    gs = gens(500, 9)
+    d = torch.stack([draft_tokens(Q[:, k], "rejection", gs) for k in range(2)], -1)
+    r = verify_chain(P, Q, d, "rejection", gs)
+    assert torch.all(r.num_accepted == 2)
+    # draft proposes a token the target gives zero mass: always rejected, never emitted
+    p0 = p.clone()
+    p0[0] = 0
+    p0 /= p0.sum()
+    q0 = torch.zeros(V, dtype=torch.float64)
+    q0[0] = 1.0
+    r = verify_chain(p0.expand(200, 2, V), q0.expand(200, 1, V), torch.zeros(200, 1, dtype=torch.long),
+                     "rejection", gens(200, 2))
+    assert torch.all(r.num_accepted == 0) and torch.all(r.next_token != 0)
+
+
+def test_seeded_and_batch_equals_per_request():
+    g = torch.Generator().manual_seed(5)
+    B, gamma, V = 6, 3, 9
+    P = torch.stack([torch.stack([rand_dist(V, g) for _ in range(gamma + 1)]) for _ in range(B)])
+    Q = torch.stack([torch.stack([rand_dist(V, g) for _ in range(gamma)]) for _ in range(B)])
+    for mode in ["rejection", "target_only", "greedy"]:
+        gs = gens(B, 11)
+        d = torch.stack([draft_tokens(Q[:, k], mode, gs) for k in range(gamma)], -1)
+        batch = verify_chain(P, Q, d, mode, gs).emitted(d)
+        single = []
+        for b in range(B):
+            gb = gens(B, 11)[b]
+            db = torch.stack([draft_tokens(Q[b:b + 1, k], mode, [gb]) for k in range(gamma)], -1)
+            single.append(verify_chain(P[b:b + 1], Q[b:b + 1], db, mode, [gb]).emitted(db)[0])
+        assert batch == single, mode
+        gs2 = gens(B, 11)
+        d2 = torch.stack([draft_tokens(Q[:, k], mode, gs2) for k in range(gamma)], -1)
+        assert verify_chain(P, Q, d2, mode, gs2).emitted(d2) == batch
+
+
+def test_process_logits_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    mk = lambda **kw: SamplingTensors.build([SimpleNamespace(**{"temperature": 1.0, "top_k": -1, "top_p": 1.0,
+                                                                 "min_p": 0.0, **kw})])
+    full = torch.softmax(logits.double(), -1)
+    assert torch.allclose(process_logits(logits, mk()), full)
+    assert (process_logits(logits, mk(top_k=2))[0, 2:] == 0).all()
+    tp = process_logits(logits, mk(top_p=0.7))
+    assert tp[0, 0] > 0 and tp[0, 1] > 0 and (tp[0, 2:] == 0).all()  # 0.57 < 0.7 <= 0.78
+    assert (process_logits(logits, mk(min_p=0.3))[0, 2:] == 0).all()
+    g0 = process_logits(logits, mk(temperature=0.0))
+    assert g0[0, 0] == 1 and g0.sum() == 1
+    hot = process_logits(logits, mk(temperature=2.0))
+    assert torch.allclose(hot, torch.softmax(logits.double() / 2, -1))
+    x = sample_rows(process_logits(logits, mk(top_k=1)), [torch.Generator().manual_seed(0)])
+    assert int(x) == 0
+
+
+def test_tokens_per_step_bound():
+    assert expected_tokens_per_step(0.0, 3) == 1.0
+    assert expected_tokens_per_step(1.0, 3) == 4.0
+    assert abs(expected_tokens_per_step(0.5, 2) - 1.75) < 1e-12
