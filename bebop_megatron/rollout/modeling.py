@@ -1,0 +1,361 @@
+"""Qwen2/Qwen3-style causal LM with MTP draft heads, for the embedded rollout engine.
+
+Weights use the Hugging Face layout (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
+``lm_head``...) so that any HF export loads. MTP heads load from the layouts found in the wild:
+
+* DeepSeek-V3 style, one module per depth: ``model.layers.{L+k}.{enorm,hnorm,eh_proj,
+  shared_head.norm}`` plus that layer's decoder weights (``num_nextn_predict_layers`` = γ);
+* Qwen3-Next / Qwen3.5 style, one module: ``mtp.fc``, ``mtp.pre_fc_norm_embedding``,
+  ``mtp.pre_fc_norm_hidden``, ``mtp.layers.J.*``, ``mtp.norm`` (``mtp_num_hidden_layers``).
+
+Depth k uses module ``k mod num_modules`` (a single module is applied recursively, as SGLang's
+NEXTN does). Each MTP module computes, like megatron-core's ``MultiTokenPredictionLayer``:
+``h_k = norm_k(layers_k(eh_proj([enorm(emb(x_{t+k})), hnorm(h_{k-1})])))`` and the draft logits
+``lm_head(h_k)``; ``h_0`` is the trunk's output after its final norm (``mtp_hidden: normed``,
+megatron-core's convention) or before it (``prenorm``).
+
+KV caches live in fixed slots ``[slots, kv_heads, max_len, head_dim]`` per layer and per stream
+(the trunk and each MTP depth): a forward writes its rows' new K/V at their positions and attends
+causally over the slot, so requests of different lengths batch together (continuous batching),
+and speculative entries past a request's committed length are simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class LMConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    qk_norm: bool = True  # qwen3
+    qkv_bias: bool = False  # qwen2
+    tie_word_embeddings: bool = False
+    num_mtp_modules: int = 0
+    mtp_layers_per_module: int = 1
+    mtp_layout: str = "deepseek"  # deepseek | qwen3_next
+    mtp_hidden: str = "normed"  # normed (megatron-core) | prenorm
+    eos_token_id: Optional[int] = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LMConfig":
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "")
+        qwen2 = model_type == "qwen2" or any("Qwen2" in a for a in archs)
+        heads = cfg["num_attention_heads"]
+        n_ds = int(cfg.get("num_nextn_predict_layers", 0) or 0)
+        n_q3n = int(cfg.get("mtp_num_hidden_layers", 0) or 0)
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            qk_norm=not qwen2,
+            qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_mtp_modules=n_ds if n_ds else (1 if n_q3n else 0),
+            mtp_layers_per_module=n_q3n if (n_q3n and not n_ds) else 1,
+            mtp_layout="deepseek" if n_ds else "qwen3_next",
+            mtp_hidden=cfg.get("bebop_mtp_hidden", "normed"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.c = c
+        h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(h, nh * hd, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, c.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: "LayerCache", batch: "BatchIndex") -> Tensor:
+        B, N, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(B, N, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).view(B, N, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).view(B, N, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = cache.write_and_read(k, v, batch)  # [B, nkv, L, hd]
+        rep = c.num_attention_heads // c.num_key_value_heads
+        if rep > 1:
+            keys = keys.repeat_interleave(rep, dim=1)
+            values = values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=batch.attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, cache, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPModule(nn.Module):
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.mtp_layers_per_module)])
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+# --------------------------------------------------------------------------- caches
+
+
+@dataclass
+class BatchIndex:
+    """Where a padded batch of rows reads and writes: slot, first position, valid tokens per row."""
+
+    slots: Tensor  # [B]
+    start: Tensor  # [B]
+    lengths: Tensor  # [B] new tokens per row (<= N)
+    positions: Tensor  # [B, N]
+    attn_mask: Tensor  # [B, 1, N, L] bool, True = attend
+    span: int  # L: keys read per row
+
+
+def make_batch_index(slots: list[int], starts: list[int], lengths: list[int], device) -> BatchIndex:
+    B, N = len(slots), max(lengths)
+    start = torch.tensor(starts, device=device)
+    lens = torch.tensor(lengths, device=device)
+    positions = start[:, None] + torch.arange(N, device=device)[None, :]
+    span = int((start + lens).max())
+    keys = torch.arange(span, device=device)
+    mask = keys[None, None, :] <= positions[:, :, None]  # causal within the slot
+    return BatchIndex(torch.tensor(slots, device=device), start, lens, positions, mask.unsqueeze(1), span)
+
+
+class LayerCache:
+    def __init__(self, slots: int, max_len: int, kv_heads: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def write_and_read(self, k: Tensor, v: Tensor, b: BatchIndex) -> tuple[Tensor, Tensor]:
+        B, N = k.shape[:2]
+        valid = torch.arange(N, device=k.device)[None, :] < b.lengths[:, None]
+        rows, cols = valid.nonzero(as_tuple=True)
+        slot_idx, pos_idx = b.slots[rows], b.positions[rows, cols]
+        self.k[slot_idx, :, pos_idx] = k[rows, cols].to(self.k.dtype)
+        self.v[slot_idx, :, pos_idx] = v[rows, cols].to(self.v.dtype)
+        return self.k[b.slots, :, : b.span], self.v[b.slots, :, : b.span]
+
+
+class KVCache:
+    """One LayerCache per layer of a stream (the trunk, or one MTP depth)."""
+
+    def __init__(self, num_layers: int, slots: int, max_len: int, c: LMConfig, dtype, device):
+        self.layers = [LayerCache(slots, max_len, c.num_key_value_heads, c.head_dim, dtype, device)
+                       for _ in range(num_layers)]
+        self.max_len = max_len
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class CausalLMWithMTP(nn.Module):
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_mtp_modules)])
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+
+    @property
+    def has_mtp(self) -> bool:
+        return len(self.mtp) > 0
+
+    def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.double()[..., None] * self.inv_freq.double()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    def new_cache(self, slots: int, max_len: int, stream: str) -> KVCache:
+        dtype = self.embed_tokens.weight.dtype
+        device = self.embed_tokens.weight.device
+        n = self.config.num_hidden_layers if stream == "trunk" else self.config.mtp_layers_per_module
+        return KVCache(n, slots, max_len, self.config, dtype, device)
+
+    @torch.no_grad()
+    def trunk(self, ids: Tensor, cache: KVCache, b: BatchIndex) -> tuple[Tensor, Tensor]:
+        """Returns (normed hidden, hidden fed to MTP) [B, N, h]."""
+        x = self.embed_tokens(ids)
+        cos, sin = self._rope(b.positions, x.dtype)
+        for layer, lc in zip(self.layers, cache.layers):
+            x = layer(x, cos, sin, lc, b)
+        normed = self.norm(x)
+        return normed, (normed if self.config.mtp_hidden == "normed" else x)
+
+    @torch.no_grad()
+    def mtp_step(self, depth: int, hidden: Tensor, ids: Tensor, cache: KVCache, b: BatchIndex) -> Tensor:
+        """MTP depth ``depth`` (0-based): previous-depth hidden + embedding of the token k ahead."""
+        m = self.mtp[depth % len(self.mtp)]
+        e = m.enorm(self.embed_tokens(ids))
+        x = m.eh_proj(torch.cat([e, m.hnorm(hidden)], dim=-1))
+        cos, sin = self._rope(b.positions, x.dtype)
+        for layer, lc in zip(m.layers, cache.layers):
+            x = layer(x, cos, sin, lc, b)
+        return m.final_norm(x)
+
+    # ------------------------------------------------------------------ weights
+    def hf_state_dict_names(self) -> dict[str, str]:
+        """Our parameter name -> Hugging Face tensor name."""
+        c = self.config
+        out = {}
+        for name, _ in self.named_parameters():
+            out[name] = _to_hf_name(name, c)
+        return out
+
+    def load_hf_state_dict(self, tensors: dict[str, Tensor], strict: bool = True) -> list[str]:
+        """Load HF-named tensors (a subset is fine with strict=False: weight updates).
+
+        Returns the names that were loaded. Raises ValueError naming the tensor on a shape
+        mismatch, an unknown name, or (strict) a missing one.
+        """
+        names = self.hf_state_dict_names()
+        by_hf = {v: k for k, v in names.items()}
+        params = dict(self.named_parameters())
+        unknown = [n for n in tensors if n not in by_hf and not _ignorable(n)]
+        if unknown:
+            raise ValueError(f"unexpected tensor(s) for this model: {unknown[:5]}")
+        loaded = []
+        with torch.no_grad():
+            for hf_name, t in tensors.items():
+                if hf_name not in by_hf:
+                    continue
+                p = params[by_hf[hf_name]]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"tensor {hf_name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+                loaded.append(hf_name)
+        if strict:
+            missing = sorted(set(by_hf) - set(loaded))
+            if missing:
+                raise ValueError(f"missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        return loaded
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype=torch.float32, device="cpu") -> "CausalLMWithMTP":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            raise FileNotFoundError(f"{path}: no config.json")
+        hf_cfg = json.loads(cfg_file.read_text())
+        model = cls(LMConfig.from_hf(hf_cfg)).to(dtype=dtype, device=device)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights")
+        tensors: dict[str, Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        model.load_hf_state_dict(tensors, strict=True)
+        model.eval()
+        return model
+
+
+def _ignorable(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or name.endswith("shared_head.head.weight")
+
+
+def _to_hf_name(name: str, c: LMConfig) -> str:
+    if name == "embed_tokens.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "lm_head.weight":
+        return "lm_head.weight"
+    if name.startswith("layers."):
+        return "model." + name
+    if name.startswith("mtp."):
+        _, k, rest = name.split(".", 2)
+        k = int(k)
+        if c.mtp_layout == "deepseek":
+            base = f"model.layers.{c.num_hidden_layers + k}."
+            if rest.startswith("layers."):
+                return base + rest.split(".", 2)[2]  # layers.0.<x> -> <x>
+            return base + {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+                           "eh_proj.weight": "eh_proj.weight", "final_norm.weight": "shared_head.norm.weight"}[rest]
+        base = "mtp."
+        if rest.startswith("layers."):
+            return base + rest
+        return base + {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+                       "eh_proj.weight": "fc.weight", "final_norm.weight": "norm.weight"}[rest]
+    raise KeyError(name)
