@@ -45,6 +45,17 @@ def _train_mtp(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from bebop_megatron.rollout.server import serve
+
+    try:
+        serve(args)
+    except ValueError as e:  # a model/flag combination that cannot serve (named in the message)
+        print(f"bebop serve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _quiet_libraries() -> None:
     """megatron-core logs every parameter name at INFO and warns that TE/apex are absent on CPU."""
     import warnings
@@ -63,6 +74,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("train-mtp", help="train MTP heads (trunk frozen) with ce/kl/tv/e2e_tv")
     _add_config_args(p)
     p.set_defaults(func=_train_mtp)
+    p = sub.add_parser("serve", help="SGLang-compatible HTTP server on the embedded engine")
+    from bebop_megatron.rollout.server import add_serve_args
+
+    add_serve_args(p)
+    p.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     from bebop_megatron.checkpointing import CheckpointMismatch
     from bebop_megatron.data import DataError

@@ -203,8 +203,8 @@ class Engine:
                 req.slot = self.free_slots.pop()
                 admitted.append(req)
             if admitted:
-                self._prefill(admitted)
                 self.running.extend(admitted)
+                self._prefill(admitted)
             if decoding:
                 if self.gamma:
                     self._speculative_round(decoding)
@@ -240,11 +240,15 @@ class Engine:
         logits = self.model.logits(last)
         # sample x_L from the prompt's last position; then the state is "trunk holds 0..L-2"
         new_tokens = self._sample(reqs, logits)
+        alive, hid = [], []
         for i, r in enumerate(reqs):
             self._commit(r, [int(new_tokens[i])], [logits[i]])
-        if self.gamma:
-            hid = [mtp_in[i, : lens[i]] for i in range(len(reqs))]
-            self._extend_mtp(reqs, hid, old_len=[0] * len(reqs))
+            self._check_done(r)
+            if not r.finished:
+                alive.append(r)
+                hid.append(mtp_in[i, : lens[i]])
+        if self.gamma and alive:
+            self._extend_mtp(alive, hid, old_len=[0] * len(alive))
 
     def _sample(self, reqs: list[Request], logits: Tensor) -> Tensor:
         probs = process_logits(logits, self._sampling(reqs))
@@ -411,8 +415,8 @@ class Engine:
             self._release(r, {"type": "length", "length": len(r.output_ids)})
         elif len(r.tokens) + self.gamma + 1 >= self.max_len:
             self._release(r, {"type": "length", "length": len(r.output_ids)})
-        elif r.on_update is not None:
-            r.on_update(r)
+        else:
+            self._notify(r)
 
     def _stop_string_hit(self, r: Request) -> bool:
         text = self.tokenizer.decode(r.output_ids)
@@ -441,9 +445,17 @@ class Engine:
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish_reason = reason
         r.weight_versions.add(self.weight_version)
-        if r.on_update is not None:
-            r.on_update(r)
+        self._notify(r)
         r.done.set()
+
+    @staticmethod
+    def _notify(r: Request) -> None:
+        """Progress callback (streaming); a vanished listener must never break the engine."""
+        if r.on_update is not None:
+            try:
+                r.on_update(r)
+            except Exception:
+                r.on_update = None
 
     # ------------------------------------------------------------------ control
     def retract_all(self) -> int:
