@@ -1,0 +1,116 @@
+"""Rollout bridge against real `bebop serve` processes: least-loaded routing, a server killed
+mid-batch loses nothing, weight sync moves trunk + MTP on every server, metrics under every key."""
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bebop_megatron.rollout.bridge import RolloutBridge, RolloutError, parse_spec_metrics
+from tests.server_utils import ServerProcess
+from tests.tiny_models import make_hf_checkpoint
+
+SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--dtype", "float64"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
+    make_hf_checkpoint(a, "qwen3", "deepseek", num_mtp=2, seed=0, scale=2.0)
+    make_hf_checkpoint(b, "qwen3", "deepseek", num_mtp=2, seed=9, scale=2.0)
+    return a, b
+
+
+def test_parse_spec_metrics_every_spelling():
+    base = {"completion_tokens": 30, "spec_verify_ct": 10}
+    for a, p in [("spec_num_correct_drafts", "spec_num_proposed_drafts"), ("spec_accepted_drafts", "spec_proposed_drafts"),
+                 ("spec_accept_token_num", "spec_draft_token_num")]:
+        st = parse_spec_metrics({**base, a: 20, p: 30})
+        assert (st.accepted, st.proposed, st.verify_ct) == (20, 30, 10)
+        assert abs(st.accept_rate - 2 / 3) < 1e-12 and st.tokens_per_verify == 3.0
+    legacy = parse_spec_metrics({**base, "spec_accept_length": 3.0})
+    assert legacy.accepted == 20 and legacy.proposed == 0
+    assert parse_spec_metrics({"completion_tokens": 5}).verify_ct == 0
+
+
+def test_routing_failover_and_weight_sync(ckpts):
+    a, b = ckpts
+    servers = [ServerProcess(a, *SPEC) for _ in range(2)]
+
+    async def scenario():
+        async with RolloutBridge([s.url for s in servers], health_interval=0.5) as bridge:
+            payload = lambda i: {"input_ids": [5 + i % 7, 6, 7], "rid": f"r{i}",
+                                 "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "seed": i,
+                                                     "ignore_eos": True}}
+            first = await bridge.generate_many([payload(i) for i in range(16)])
+            served = [st.served for st in bridge.servers]
+            assert all(n > 0 for n in served), served  # least-loaded routing used both
+            # kill one server while a batch is in flight: every request still completes
+            task = asyncio.gather(*(bridge.generate(payload(100 + i)) for i in range(24)))
+            await asyncio.sleep(0.3)
+            servers[0].proc.kill()
+            done = await task
+            assert len(done) == 24 and all(len(o["output_ids"]) == 40 for o in done)
+            assert bridge.stats.servers_dropped >= 1 and not bridge.servers[0].healthy
+            # weight sync (trunk + MTP) while requests keep coming
+            tensors = {}
+            for f in sorted(b.glob("*.safetensors")):
+                tensors.update(load_file(str(f)))
+            names = sorted(tensors)
+            buckets = [{n: tensors[n] for n in names[i:i + 10]} for i in range(0, len(names), 10)]
+            gen_during = asyncio.gather(*(bridge.generate(payload(200 + i)) for i in range(6)))
+            await asyncio.sleep(0.1)
+            res = await bridge.update_weights_from_tensor(buckets, "v2")
+            during = await gen_during
+            assert res["servers"] == 1 and res["failed"] == []
+            assert res["results"][servers[1].url]["num_mtp_tensors"] > 0
+            after = await bridge.generate({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8,
+                                                                                       "temperature": 0}})
+            assert after["meta_info"]["weight_version"] == "v2"
+            assert all(o["meta_info"]["weight_version"] in ("default", "v2") for o in during)
+            assert bridge.stats.spec.verify_ct > 0 and bridge.stats.spec.proposed > 0
+            # a 4xx is the caller's error: raised, not retried elsewhere
+            with pytest.raises(RolloutError, match="rejected"):
+                await bridge.generate({"input_ids": [1], "sampling_params": {"temperature": -1}})
+            return first
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_all_servers_down_is_a_clear_error():
+    async def scenario():
+        async with RolloutBridge(["http://127.0.0.1:9"], max_attempts=1) as bridge:
+            with pytest.raises(RolloutError, match="no healthy rollout server"):
+                await bridge.generate({"input_ids": [1]})
+
+    asyncio.run(scenario())
+
+
+def test_sglang_launcher_command():
+    spec = importlib.util.spec_from_file_location("launch_sglang", ROOT / "launch" / "sglang.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    new = mod.build_command("/m", 3, help_text="... --speculative-use-rejection-sampling ...")
+    old = mod.build_command("/m", 2, help_text="no such flag")
+    for cmd, g in ((new, 3), (old, 2)):
+        s = " ".join(cmd)
+        assert f"--speculative-num-steps {g}" in s and f"--speculative-num-draft-tokens {g + 1}" in s
+        assert "--speculative-eagle-topk 1" in s and "--speculative-algorithm NEXTN" in s
+        assert "threshold" not in s
+    assert "--speculative-use-rejection-sampling" in new and "--speculative-use-rejection-sampling" not in old
+    with pytest.raises(ValueError, match="lossy"):
+        mod.build_command("/m", 3, extra=["--speculative-accept-threshold-single", "0.5"])
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "sglang.py"), "--model-path", "/m", "--dry-run"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "sglang.launch_server" in out.stdout
