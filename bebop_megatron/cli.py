@@ -56,6 +56,24 @@ def _serve(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    from bebop_megatron.convert.hf_megatron import hf_to_megatron, megatron_to_hf
+
+    if args.direction == "hf-to-megatron":
+        res = hf_to_megatron(args.input, args.output, args.tp, args.pp, args.mtp_layers, args.vocab_multiple,
+                             args.overwrite)
+        print(f"converted {res['tensors']} HF tensors -> {res['output']} (TP={res['tp']}, PP={res['pp']}, "
+              f"γ={res['mtp_layers']} MTP layers)")
+        if res["fresh_mtp_layers"]:
+            print("note: the Hugging Face model has no MTP weights; the MTP layers are freshly initialised "
+                  "(train them with `bebop train-mtp --set train.load=...`)")
+    else:
+        res = megatron_to_hf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
+        print(f"exported {res['tensors']} tensors from {res['checkpoint']} -> {res['output']} "
+              f"({res['files']} safetensors file(s))")
+    return 0
+
+
 def _quiet_libraries() -> None:
     """megatron-core logs every parameter name at INFO and warns that TE/apex are absent on CPU."""
     import warnings
@@ -74,6 +92,20 @@ def main(argv=None) -> int:
     p = sub.add_parser("train-mtp", help="train MTP heads (trunk frozen) with ce/kl/tv/e2e_tv")
     _add_config_args(p)
     p.set_defaults(func=_train_mtp)
+    p = sub.add_parser("convert", help="Hugging Face <-> megatron dist checkpoints")
+    p.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    p.add_argument("--input", required=True, help="HF folder, or a megatron checkpoint / run folder")
+    p.add_argument("--output", required=True)
+    p.add_argument("--tp", type=int, default=1, help="hf-to-megatron: tensor-parallel size of the output")
+    p.add_argument("--pp", type=int, default=1, help="hf-to-megatron: pipeline-parallel size of the output")
+    p.add_argument("--mtp-layers", type=int, default=None,
+                   help="hf-to-megatron: γ MTP layers (default: the HF model's; fresh ones if it has none)")
+    p.add_argument("--vocab-multiple", type=int, default=128, help="megatron make_vocab_size_divisible_by")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="megatron-to-hf: dtype of the exported tensors")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_convert)
+
     p = sub.add_parser("serve", help="SGLang-compatible HTTP server on the embedded engine")
     from bebop_megatron.rollout.server import add_serve_args
 
@@ -81,6 +113,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     from bebop_megatron.checkpointing import CheckpointMismatch
+    from bebop_megatron.convert.layout import ConversionError
     from bebop_megatron.data import DataError
     from bebop_megatron.model.spec import MissingOptionalDependency
 
@@ -89,7 +122,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"bebop: config error: {e}", file=sys.stderr)
         return 2
-    except (DataError, CheckpointMismatch, MissingOptionalDependency, FileNotFoundError) as e:
+    except (DataError, CheckpointMismatch, MissingOptionalDependency, FileNotFoundError, ConversionError) as e:
         print(f"bebop: error: {e}", file=sys.stderr)
         return 2
 

@@ -41,6 +41,7 @@ class ModelConfig:
     kv_channels: Optional[int] = None  # head_dim; default hidden_size // heads
     vocab_size: int = 64  # true vocabulary (tokenizer) size
     make_vocab_size_divisible_by: int = 64
+    padded_vocab: Optional[int] = None  # fixed padded size (converted checkpoints keep it at any TP)
     max_position_embeddings: int = 512
     rotary_base: float = 1_000_000.0
     norm_epsilon: float = 1e-6
@@ -66,7 +67,10 @@ class ModelConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int) -> int:
-        """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``."""
+        """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``
+        (unless ``padded_vocab`` fixes it, e.g. for a checkpoint resharded to another TP)."""
+        if self.padded_vocab:
+            return self.padded_vocab
         multiple = self.make_vocab_size_divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
@@ -197,6 +201,8 @@ class Config:
             errors.append(f"num_query_groups {m.num_query_groups} not divisible by TP {tp}")
         if m.ffn_hidden_size % tp:
             errors.append(f"ffn_hidden_size {m.ffn_hidden_size} not divisible by TP {tp}")
+        if m.padded_vocab is not None and m.padded_vocab < m.vocab_size:
+            errors.append(f"model.padded_vocab {m.padded_vocab} < vocab_size {m.vocab_size}")
         if m.padded_vocab_size(tp) % tp:
             errors.append(f"padded vocab {m.padded_vocab_size(tp)} not divisible by TP {tp}")
         if m.num_layers % pp:

@@ -61,3 +61,52 @@ def destroy_distributed() -> None:
 def is_logging_rank() -> bool:
     """The last global rank (last pipeline stage, where losses live) logs, as in Megatron-LM."""
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def _local_worker(fn, rank, world_size, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import traceback
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report every failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        destroy_distributed()
+
+
+def run_local_workers(fn, world_size: int, *args, timeout: float = 3600.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned local processes (env:// on a free
+    loopback port, as torchrun would set up) and return each rank's result; raises with every
+    failing rank's traceback. Used by ``bebop convert`` for TP/PP layouts and by the tests."""
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_local_worker, args=(fn, r, world_size, port, args, q)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, value = q.get(timeout=timeout)
+            except queue_mod.Empty:
+                raise RuntimeError(f"local workers timed out after {timeout}s") from None
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("local worker failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -17,7 +17,7 @@ def make_hf_checkpoint(path, arch="qwen3", mtp_layout="deepseek", num_mtp=3, voc
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-              rope_theta=10000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+              rope_theta=50000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
     if arch == "qwen3":
         cfg, cls = Qwen3Config(head_dim=hidden // heads, **kw), Qwen3ForCausalLM
     else:

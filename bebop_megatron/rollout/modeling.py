@@ -72,7 +72,7 @@ class LMConfig:
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=_rope_theta(cfg),
             qk_norm=not qwen2,
             qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -82,6 +82,15 @@ class LMConfig:
             mtp_hidden=cfg.get("bebop_mtp_hidden", "normed"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
+
+
+def _rope_theta(cfg: dict) -> float:
+    """transformers >= 5 nests it in ``rope_parameters``; older configs have ``rope_theta``."""
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rp.get("rope_type", "default") not in ("default", None):
+        raise ValueError(f"unsupported RoPE scaling {rp.get('rope_type')!r} (only plain RoPE)")
+    theta = cfg.get("rope_theta") or rp.get("rope_theta")
+    return float(theta) if theta is not None else 10000.0
 
 
 class RMSNorm(nn.Module):

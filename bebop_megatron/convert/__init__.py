@@ -1,0 +1,1 @@
+"""Checkpoint conversion between Hugging Face and megatron-core layouts."""
