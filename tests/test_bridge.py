@@ -2,6 +2,8 @@
 mid-batch loses nothing, weight sync moves trunk + MTP on every server, metrics under every key."""
 
 import asyncio
+import json
+import subprocess
 import importlib.util
 import sys
 from pathlib import Path
@@ -114,3 +116,17 @@ def test_sglang_launcher_command():
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "sglang.py"), "--model-path", "/m", "--dry-run"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "sglang.launch_server" in out.stdout
+
+
+def test_bench_rollout_smoke(tmp_path):
+    """The benchmark script runs and reports every row (numbers are not asserted: not a timed test)."""
+    make_hf_checkpoint(tmp_path / "hf", "qwen3", "deepseek", num_mtp=2)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--model-path", str(tmp_path / "hf"),
+                          "--num-prompts", "2", "--max-new-tokens", "6", "--batch", "1", "--json", str(tmp_path / "r.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    names = [r["name"] for r in rows]
+    assert "engine, MTP + rejection sampling" in names and "HF generate" in names
+    spec = next(r for r in rows if r["name"] == "engine, MTP + rejection sampling")
+    assert 1.0 <= spec["tokens_per_verify"] <= 3.0 and 0.0 <= spec["alpha"] <= 1.0
