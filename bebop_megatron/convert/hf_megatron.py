@@ -47,7 +47,6 @@ class LazyHF:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
                     self._where[k] = f
-        self._open: dict[Path, object] = {}
 
     def keys(self) -> set[str]:
         return set(self._where)
@@ -57,10 +56,9 @@ class LazyHF:
 
         if name not in self._where:
             raise ConversionError(f"missing tensor {name!r} in {self.path}")
-        f = self._where[name]
-        if f not in self._open:
-            self._open[f] = safe_open(str(f), framework="pt")
-        return self._open[f].get_tensor(name)
+        # open per tensor: a cached handle keeps the whole file memory-mapped in this process
+        with safe_open(str(self._where[name]), framework="pt") as h:
+            return h.get_tensor(name).clone()
 
 
 def hf_arch(cfg: dict) -> str:
@@ -101,6 +99,8 @@ def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: 
         add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), mtp_num_layers=gamma,
     )
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
+    m.params_dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
     c = Config(model=m)
     c.data.seq_length = min(c.data.seq_length, m.max_position_embeddings)
     return c
@@ -188,9 +188,10 @@ def _hf_to_megatron_worker(rank, world, hf_path, out_tmp, cfg_dict, tp, pp, layo
 
     cfg = Config.from_dict(cfg_dict)
     platform = initialize_distributed(tp, pp, seed=1234, force_cpu=True)
-    model = build_model(cfg, platform)
-    shapes = Shapes.from_config(cfg, tp, layout)
     hf = LazyHF(hf_path)
+    # every weight is overwritten unless MTP layers must be created fresh
+    model = build_model(cfg, platform, initialize=hf_mtp_layout(hf.config)[0] is None)
+    shapes = Shapes.from_config(cfg, tp, layout)
     info = load_hf_into_model(model, hf, shapes)
     save_checkpoint(out_tmp, 0, model, extra={"config": json.dumps(cfg.to_dict()), "source": str(hf_path),
                                               "consumed_samples": 0, "phase": "converted"})
@@ -293,7 +294,7 @@ def _megatron_to_hf_worker(rank, world, ckpt, out_tmp, shard_bytes, dtype):
     cfg.model.padded_vocab = cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
     platform = initialize_distributed(1, 1, seed=0, force_cpu=True)
-    model = build_model(cfg, platform)
+    model = build_model(cfg, platform, initialize=False)
     load_checkpoint(ckpt, model)
     shapes = Shapes.from_config(cfg, 1, "deepseek")
     out_tmp = Path(out_tmp)

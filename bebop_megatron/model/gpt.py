@@ -185,7 +185,8 @@ class BebopGPTModel(GPTModel):
 # ----------------------------------------------------------------------- builders
 
 
-def build_transformer_config(cfg: Config, platform: Platform, use_te: bool) -> TransformerConfig:
+def build_transformer_config(cfg: Config, platform: Platform, use_te: bool,
+                             initialize: bool = True) -> TransformerConfig:
     m, p = cfg.model, cfg.parallel
     dtype = getattr(torch, m.params_dtype)
     on_gpu = platform.is_cuda
@@ -216,6 +217,7 @@ def build_transformer_config(cfg: Config, platform: Platform, use_te: bool) -> T
         mtp_num_layers=m.mtp_num_layers,
         mtp_loss_scaling_factor=cfg.mtp.loss_scaling_factor,
         use_cpu_initialization=not on_gpu,
+        perform_initialization=initialize,  # off when every weight is loaded right after (conversion)
         # fused kernels exist only on GPU
         bias_activation_fusion=on_gpu and use_te,
         bias_dropout_fusion=on_gpu,
@@ -235,12 +237,13 @@ def build_transformer_config(cfg: Config, platform: Platform, use_te: bool) -> T
     return TransformerConfig(**kwargs)
 
 
-def build_model(cfg: Config, platform: Platform) -> BebopGPTModel:
-    """Build this rank's pipeline stage of the model (parallel_state must be initialised)."""
+def build_model(cfg: Config, platform: Platform, initialize: bool = True) -> BebopGPTModel:
+    """Build this rank's pipeline stage of the model (parallel_state must be initialised).
+    ``initialize=False`` skips weight initialisation (all weights are loaded right after)."""
     from bebop_megatron.model.spec import build_layer_spec, build_mtp_block_spec, use_transformer_engine
 
     use_te = use_transformer_engine(cfg.model)
-    tconf = build_transformer_config(cfg, platform, use_te)
+    tconf = build_transformer_config(cfg, platform, use_te, initialize)
     layer_spec = build_layer_spec(cfg.model, use_te)
     mtp_spec = build_mtp_block_spec(tconf, layer_spec, use_te)
     m = cfg.model
