@@ -187,6 +187,7 @@ def _hf_to_megatron_worker(rank, world, hf_path, out_tmp, cfg_dict, tp, pp, layo
     from bebop_megatron.parallel import initialize_distributed
 
     cfg = Config.from_dict(cfg_dict)
+    cfg.model.transformer_impl = "local"  # CPU workers; the checkpoint uses local-spec names
     platform = initialize_distributed(tp, pp, seed=1234, force_cpu=True)
     hf = LazyHF(hf_path)
     # every weight is overwritten unless MTP layers must be created fresh
@@ -293,6 +294,7 @@ def _megatron_to_hf_worker(rank, world, ckpt, out_tmp, shard_bytes, dtype):
     # keep the saved vocabulary padding (megatron pads to a multiple of divisible_by * TP)
     cfg.model.padded_vocab = cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
+    cfg.model.transformer_impl = "local"
     platform = initialize_distributed(1, 1, seed=0, force_cpu=True)
     model = build_model(cfg, platform, initialize=False)
     load_checkpoint(ckpt, model)

@@ -262,4 +262,8 @@ def build_model(cfg: Config, platform: Platform, initialize: bool = True) -> Beb
         mtp_detach_trunk=cfg.mtp.detach_trunk,
         true_vocab_size=m.vocab_size,
     )
+    if not initialize:
+        from bebop_megatron.model.tp_layout import ensure_tp_attributes
+
+        ensure_tp_attributes(model)
     return model.to(platform.device)

@@ -90,3 +90,25 @@ def _with_tp_attrs(t: Tensor, p: Tensor) -> Tensor:
         if hasattr(p, attr):
             setattr(t, attr, getattr(p, attr))
     return t
+
+
+def ensure_tp_attributes(model) -> None:
+    """Tag TP-split parameters with ``tensor_model_parallel`` / ``partition_dim``.
+
+    megatron-core sets these inside its weight-initialisation helpers, so a model built with
+    ``perform_initialization=False`` (weights loaded right after) lacks them on the CPU path.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    def tag(p, dim):
+        if p is not None and not hasattr(p, "partition_dim"):
+            set_tensor_model_parallel_attributes(p, True, dim, 1)
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            tag(module.weight, 0)
+            if isinstance(module, ColumnParallelLinear):
+                tag(getattr(module, "bias", None), 0)
+        elif isinstance(module, RowParallelLinear):
+            tag(module.weight, 1)
