@@ -53,11 +53,16 @@ def test_routing_failover_and_weight_sync(ckpts):
             served = [st.served for st in bridge.servers]
             assert all(n > 0 for n in served), served  # least-loaded routing used both
             # kill one server while a batch is in flight: every request still completes
-            task = asyncio.gather(*(bridge.generate(payload(100 + i)) for i in range(24)))
-            await asyncio.sleep(0.3)
+            long = lambda i: {**payload(i), "sampling_params": {**payload(i)["sampling_params"], "max_new_tokens": 120}}
+            task = asyncio.gather(*(bridge.generate(long(100 + i)) for i in range(24)))
+            for _ in range(500):  # kill only once requests are in flight on that server
+                if bridge.servers[0].inflight > 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert bridge.servers[0].inflight > 0
             servers[0].proc.kill()
             done = await task
-            assert len(done) == 24 and all(len(o["output_ids"]) == 40 for o in done)
+            assert len(done) == 24 and all(len(o["output_ids"]) == 120 for o in done)
             assert bridge.stats.servers_dropped >= 1 and not bridge.servers[0].healthy
             # weight sync (trunk + MTP) while requests keep coming
             tensors = {}

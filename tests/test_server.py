@@ -143,13 +143,17 @@ def test_abort_and_pause_continue(server):
 
     def long_request():
         result["r"] = server.post("/generate", {"input_ids": [5, 6], "rid": "long",
-                                                "sampling_params": {"max_new_tokens": 1500, "temperature": 1.0}})
+                                                "sampling_params": {"max_new_tokens": 1500, "temperature": 1.0,
+                                                                    "ignore_eos": True}})
 
     t = threading.Thread(target=long_request)
     t.start()
     import time
 
-    time.sleep(1.0)
+    deadline = time.time() + 30
+    while server.get("/get_server_info").json()["internal_states"][0]["num_running_reqs"] < 1:
+        assert time.time() < deadline, "the long request never started"
+        time.sleep(0.05)
     assert server.post("/abort_request", {"rid": "long"}).json()["aborted"] == 1
     t.join(60)
     assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
