@@ -1,0 +1,1 @@
+"""Reinforcement learning with speculative rollouts: rewards, GRPO, entropy control, MTP strategies."""

@@ -1,0 +1,5 @@
+"""Verifiable rewards: exact-answer math, sandboxed code tests, synthetic tasks."""
+
+from bebop_megatron.rl.rewards.code import code_reward, extract_code  # noqa: F401
+from bebop_megatron.rl.rewards.math import extract_answer, math_equal, math_reward  # noqa: F401
+from bebop_megatron.rl.rewards.synthetic import SyntheticTask, make_tasks, synthetic_reward  # noqa: F401
