@@ -275,8 +275,10 @@ class BebopServer:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_, exc: RequestValidationError):
-            return JSONResponse({"error": {"message": "invalid request body", "detail": json.loads(
-                json.dumps(exc.errors(), default=str))}}, status_code=400)
+            # only strings: the offending input (NaN, inf...) may not even be valid JSON to echo back
+            detail = [{"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")),
+                       "type": str(e.get("type", ""))} for e in exc.errors()]
+            return JSONResponse({"error": {"message": "invalid request body", "detail": detail}}, status_code=400)
 
         @app.exception_handler(Exception)
         async def internal(_, exc: Exception):
