@@ -161,3 +161,18 @@ def test_server_survives_and_still_answers_correctly(target):
     assert r.json()["output_ids"] == ref.output_ids
     print(f"\nfuzz tally: {TALLY}")
     assert TALLY["requests"] >= 2000
+
+
+def test_load_64_clients(tmp_path):
+    """64 concurrent clients on loopback (15 s in CI; tools/load_test.py defaults to 60 s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tools" / "load_test.py"), "--clients", "64", "--duration", "15",
+                          "--json", str(tmp_path / "load.json")], cwd=root, capture_output=True, text=True, timeout=600)
+    res = json.loads((tmp_path / "load.json").read_text())
+    assert out.returncode == 0 and res["errors"] == 0 and res["server_alive"], res
+    assert res["requests"] > 64
+    assert res["rss_mib_last_third"] < 1.2 * res["rss_mib_first_third"]  # no growth under steady load
