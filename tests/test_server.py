@@ -191,3 +191,42 @@ def test_weight_update_moves_trunk_and_mtp(ckpts):
         assert again["meta_info"]["spec_num_correct_drafts"] == before["meta_info"]["spec_num_correct_drafts"]
     finally:
         s.stop()
+
+
+def test_interrupted_sync_leaves_old_weights_and_versions_switch_atomically(ckpts):
+    a, b = ckpts
+    s = ServerProcess(a, *SPEC)
+    try:
+        prompt, sp = [5, 6, 7, 8], {"max_new_tokens": 16, "temperature": 0}
+        before = s.post("/generate", {"input_ids": prompt, "sampling_params": sp}).json()
+        tensors = {}
+        for f in sorted(b.glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        names = sorted(tensors)
+        third = len(names) // 3
+        chunks = [names[:third], names[third:2 * third], names[2 * third:]]
+        enc = lambda ns: base64.b64encode(save({n: tensors[n] for n in ns})).decode()
+        # a sync that dies after two of its three buckets: nothing is served from them
+        for ns in chunks[:2]:
+            r = s.post("/update_weights_from_tensor", {"serialized_named_tensors": [enc(ns)], "stage": True,
+                                                       "stage_version": "v-dead"})
+            assert r.status_code == 200 and r.json()["staged"] == len(ns)
+        mid = s.post("/generate", {"input_ids": prompt, "sampling_params": sp}).json()
+        assert mid["output_ids"] == before["output_ids"] and mid["meta_info"]["weight_version"] == "default"
+        # a bad bucket is refused at staging time, before anything could be applied
+        bad = base64.b64encode(save({"model.norm.weight": torch.full((48,), float("nan"))})).decode()
+        r = s.post("/update_weights_from_tensor", {"serialized_named_tensors": [bad], "stage": True, "stage_version": "v9"})
+        assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
+        # a complete new sync replaces the abandoned staging and switches in one step
+        for i, ns in enumerate(chunks):
+            last = i == 2
+            r = s.post("/update_weights_from_tensor", {"serialized_named_tensors": [enc(ns)], "stage": not last,
+                                                       "stage_version": None if last else "v2",
+                                                       "weight_version": "v2" if last else None})
+            assert r.status_code == 200, r.text
+        assert r.json()["num_tensors"] == len(names) and r.json()["num_mtp_tensors"] > 0
+        after = s.post("/generate", {"input_ids": prompt, "sampling_params": sp}).json()
+        ref = local_engine(b).generate([prompt], SamplingParams(max_new_tokens=16, temperature=0.0))[0]
+        assert after["output_ids"] == ref.output_ids and after["meta_info"]["weight_version"] == "v2"
+    finally:
+        s.stop()

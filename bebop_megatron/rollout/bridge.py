@@ -269,9 +269,12 @@ class RolloutBridge:
         mtp = 0
         for i, p in enumerate(payloads):
             last = i == len(payloads) - 1
+            # non-final buckets are staged (applied with the last one: versions switch atomically);
+            # servers without staging (SGLang) ignore the field and apply buckets as they come
             res = await self._post(s, "/update_weights_from_tensor", {
                 "serialized_named_tensors": [p], "load_format": "safetensors", "flush_cache": last,
-                "weight_version": version if last else None})
+                "weight_version": version if last else None, "stage": not last,
+                "stage_version": None if last else version})
             mtp += int(res.get("num_mtp_tensors", 0))
         res = {"num_mtp_tensors": mtp}
         self._check_mtp(s, res, expect_mtp)

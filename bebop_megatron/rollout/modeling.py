@@ -291,6 +291,21 @@ class CausalLMWithMTP(nn.Module):
             out[name] = _to_hf_name(name, c)
         return out
 
+    def validate_hf_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Raise ValueError (naming the tensor) if ``tensors`` could not be loaded; loads nothing."""
+        by_hf = {v: k for k, v in self.hf_state_dict_names().items()}
+        params = dict(self.named_parameters())
+        for n, t in tensors.items():
+            if n not in by_hf:
+                if not _ignorable(n):
+                    raise ValueError(f"unexpected tensor for this model: {n}")
+                continue
+            p = params[by_hf[n]]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"tensor {n}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
+            if not (t.is_floating_point() and bool(torch.isfinite(t).all())):
+                raise ValueError(f"tensor {n}: not a finite floating-point tensor")
+
     def load_hf_state_dict(self, tensors: dict[str, Tensor], strict: bool = True) -> list[str]:
         """Load HF-named tensors (a subset is fine with strict=False: weight updates).
 
@@ -303,21 +318,21 @@ class CausalLMWithMTP(nn.Module):
         unknown = [n for n in tensors if n not in by_hf and not _ignorable(n)]
         if unknown:
             raise ValueError(f"unexpected tensor(s) for this model: {unknown[:5]}")
-        loaded = []
-        with torch.no_grad():
-            for hf_name, t in tensors.items():
-                if hf_name not in by_hf:
-                    continue
-                p = params[by_hf[hf_name]]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"tensor {hf_name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
-                p.copy_(t.to(p.dtype))
-                loaded.append(hf_name)
+        todo = [(n, t) for n, t in tensors.items() if n in by_hf]
+        for hf_name, t in todo:  # validate everything before touching any weight: all or nothing
+            p = params[by_hf[hf_name]]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"tensor {hf_name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
+            if not (t.is_floating_point() and bool(torch.isfinite(t).all())):
+                raise ValueError(f"tensor {hf_name}: not a finite floating-point tensor")
         if strict:
-            missing = sorted(set(by_hf) - set(loaded))
+            missing = sorted(set(by_hf) - {n for n, _ in todo})
             if missing:
                 raise ValueError(f"missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        return loaded
+        with torch.no_grad():
+            for hf_name, t in todo:
+                params[by_hf[hf_name]].copy_(t.to(params[by_hf[hf_name]].dtype))
+        return [n for n, _ in todo]
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype=torch.float32, device="cpu") -> "CausalLMWithMTP":

@@ -172,6 +172,8 @@ class BebopServer:
         self.model_path = model_path
         self.api_key = api_key
         self.served_model_name = served_model_name
+        self._staged: dict = {}
+        self._staged_version: Optional[str] = None
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ helpers
@@ -405,6 +407,8 @@ class BebopServer:
                     tensors.update(st_load(base64.b64decode(p, validate=True)))
             except Exception as e:
                 raise BadRequest(f"cannot decode safetensors payload: {type(e).__name__}: {e}") from e
+            if body.get("stage"):
+                return server._stage_weights(tensors, body.get("stage_version"))
             return await asyncio.to_thread(server._apply_weights, tensors, body.get("weight_version"),
                                            body.get("flush_cache", True))
 
@@ -459,9 +463,28 @@ class BebopServer:
 
         return app
 
+    def _stage_weights(self, tensors: dict, version) -> dict:
+        """Hold a validated bucket until the sync's last (unstaged) call applies everything at
+        once: a sync interrupted midway leaves the served weights untouched. Buckets staged for
+        another version (an abandoned sync) are dropped."""
+        if not isinstance(version, str) or not version:
+            raise BadRequest("staged weight buckets need stage_version (the version the sync will commit)")
+        try:
+            self.engine.model.validate_hf_tensors(tensors)
+        except ValueError as e:
+            raise BadRequest(f"weight bucket rejected: {e}") from e
+        if self._staged_version != version:
+            self._staged, self._staged_version = {}, version
+        self._staged.update(tensors)
+        return {"success": True, "staged": len(tensors), "staged_total": len(self._staged), "weight_version": version}
+
     def _apply_weights(self, tensors: dict, version, flush: bool) -> dict:
         """Swap weights between engine steps: trunk and MTP heads move together (one lock), so
-        no step ever runs on a mix; KV computed under the old weights is re-prefilled."""
+        no step ever runs on a mix; KV computed under the old weights is re-prefilled. Buckets
+        staged for this version are applied in the same swap; all tensors are validated first."""
+        if self._staged and self._staged_version == version:
+            tensors = {**self._staged, **tensors}
+        self._staged, self._staged_version = {}, None
         with self.engine.lock:
             try:
                 loaded = self.engine.update_weights(tensors, version)
