@@ -312,19 +312,10 @@ class CausalLMWithMTP(nn.Module):
         Returns the names that were loaded. Raises ValueError naming the tensor on a shape
         mismatch, an unknown name, or (strict) a missing one.
         """
-        names = self.hf_state_dict_names()
-        by_hf = {v: k for k, v in names.items()}
+        self.validate_hf_tensors(tensors)  # names, shapes, finite values: all checked before any copy
+        by_hf = {v: k for k, v in self.hf_state_dict_names().items()}
         params = dict(self.named_parameters())
-        unknown = [n for n in tensors if n not in by_hf and not _ignorable(n)]
-        if unknown:
-            raise ValueError(f"unexpected tensor(s) for this model: {unknown[:5]}")
         todo = [(n, t) for n, t in tensors.items() if n in by_hf]
-        for hf_name, t in todo:  # validate everything before touching any weight: all or nothing
-            p = params[by_hf[hf_name]]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"tensor {hf_name}: shape {tuple(t.shape)} != expected {tuple(p.shape)}")
-            if not (t.is_floating_point() and bool(torch.isfinite(t).all())):
-                raise ValueError(f"tensor {hf_name}: not a finite floating-point tensor")
         if strict:
             missing = sorted(set(by_hf) - {n for n, _ in todo})
             if missing:
