@@ -90,15 +90,6 @@ def synthetic_documents(n: int, seed: int, task: str = "mixed") -> list[str]:
     return docs
 
 
-def write_synthetic_jsonl(path: str | Path, n: int, seed: int, task: str = "mixed") -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for doc in synthetic_documents(n, seed, task):
-            f.write(json.dumps({"text": doc}) + "\n")
-    return path
-
-
 # --------------------------------------------------------------------------- JSONL
 
 

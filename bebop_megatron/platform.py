@@ -23,7 +23,6 @@ CPU. It is a no-op (returns False) when CUDA is available, so GPU paths never de
 
 from __future__ import annotations
 
-import contextlib
 import os
 import types
 from dataclasses import dataclass
@@ -51,10 +50,6 @@ def detect_platform(force_cpu: bool = False) -> Platform:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return Platform(torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl")
     return Platform(torch.device("cpu"), "gloo")
-
-
-def cpu_compat_enabled() -> bool:
-    return _COMPAT_ENABLED
 
 
 class _CpuTorchProxy(types.ModuleType):
@@ -139,12 +134,3 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
         for g in grads:
             g.detach().mul_(clip_coeff)
 
-
-@contextlib.contextmanager
-def maybe_autocast(platform: Platform, dtype: torch.dtype | None):
-    """bf16 autocast on GPU; CPU runs stay in the params dtype."""
-    if platform.is_cuda and dtype in (torch.bfloat16, torch.float16):
-        with torch.autocast("cuda", dtype=dtype):
-            yield
-    else:
-        yield

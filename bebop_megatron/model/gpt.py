@@ -82,13 +82,6 @@ class BebopGPTModel(GPTModel):
             return self.shared_embedding_or_output_weight()
         return None
 
-    def trunk_parameters(self):
-        """Everything except the MTP block (embedding, decoder, output layer)."""
-        return [p for n, p in self.named_parameters() if not n.startswith("mtp.")]
-
-    def mtp_parameters(self):
-        return [p for n, p in self.named_parameters() if n.startswith("mtp.")]
-
     def run_mtp_block(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor, **kw) -> list[Tensor]:
         """MTP hidden states [s, b, h] for depths 1..γ, from decoder output ``hidden_states``."""
         detach = self.mtp_detach_trunk

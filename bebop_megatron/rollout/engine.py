@@ -100,14 +100,11 @@ class Request:
     slot: int = -1
     generator: Optional[torch.Generator] = None
     tokens: list[int] = field(default_factory=list)  # committed: prompt + output
-    mtp_len: list[int] = field(default_factory=list)  # real positions per depth
-    carry: list[Optional[Tensor]] = field(default_factory=list)
-    carry_logits: Optional[Tensor] = None  # main-head logits for the newest token (non-spec decode)
+    carry: list[Optional[Tensor]] = field(default_factory=list)  # per depth: output at its last real position
     verify_ct: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
-    weight_versions: set = field(default_factory=set)
     created: float = field(default_factory=time.time)
     done: threading.Event = field(default_factory=threading.Event)
     on_update: Optional[Callable[["Request"], None]] = None
@@ -227,10 +224,8 @@ class Engine:
     def _prefill(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.tokens = list(r.input_ids) + list(r.output_ids)  # retracted requests keep their output
-            r.mtp_len = [0] * (self.gamma + 1)
             r.carry = [None] * (self.gamma + 1)
             r.accepted_per_depth = r.accepted_per_depth or [0] * self.gamma
-            r.weight_versions.add(self.weight_version)
         ctx = [r.tokens for r in reqs]
         b = make_batch_index([r.slot for r in reqs], [0] * len(reqs), [len(c) for c in ctx], "cpu")
         ids = _pad(ctx)
@@ -379,8 +374,6 @@ class Engine:
                 for j, i in enumerate(active):
                     new_prev[i] = out[j, : counts[i]]
                     reqs[i].carry[k] = new_prev[i][-1]
-            for r in reqs:
-                r.mtp_len[k] = max(0, len(r.tokens) - k)
             prev, prev_start = new_prev, starts
 
     def _commit(self, r: Request, tokens: list[int], logits_rows: list[Tensor]) -> None:
@@ -409,8 +402,10 @@ class Engine:
         last = r.output_ids[-1] if r.output_ids else None
         if last is not None and self._stops_at_token(r, last):
             self._release(r, {"type": "stop", "matched": last})
-        elif r.params.stop and self.tokenizer is not None and self._stop_string_hit(r):
-            pass
+            return
+        matched = self._trim_at_stop_string(r) if r.params.stop and self.tokenizer is not None else None
+        if matched is not None:
+            self._release(r, {"type": "stop", "matched": matched})
         elif len(r.output_ids) >= r.params.max_new_tokens:
             self._release(r, {"type": "length", "length": len(r.output_ids)})
         elif len(r.tokens) + self.gamma + 1 >= self.max_len:
@@ -418,21 +413,19 @@ class Engine:
         else:
             self._notify(r)
 
-    def _stop_string_hit(self, r: Request) -> bool:
+    def _trim_at_stop_string(self, r: Request) -> Optional[str]:
+        """The stop string the output contains (output trimmed to the shortest token prefix that
+        contains it), or None."""
         text = self.tokenizer.decode(r.output_ids)
         for s in r.params.stop:
-            pos = text.find(s)
-            if pos >= 0:
-                # keep the shortest token prefix whose text contains the stop string
+            if s in text:
                 for n in range(1, len(r.output_ids) + 1):
                     if s in self.tokenizer.decode(r.output_ids[:n]):
                         del r.output_ids[n:]
-                        if r.output_logprobs:
-                            del r.output_logprobs[n:]
+                        del r.output_logprobs[n:]
                         break
-                self._release(r, {"type": "stop", "matched": s})
-                return True
-        return False
+                return s
+        return None
 
     def _release(self, r: Request, reason: dict) -> None:
         if r in self.running:
@@ -444,7 +437,6 @@ class Engine:
 
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish_reason = reason
-        r.weight_versions.add(self.weight_version)
         self._notify(r)
         r.done.set()
 
