@@ -45,6 +45,45 @@ def _train_mtp(args) -> int:
     return 0
 
 
+def _rl(args) -> int:
+    from bebop_megatron.parallel import destroy_distributed
+    from bebop_megatron.rl.trainer import rl_train
+
+    cfg = Config.load(args.config, args.overrides)
+    try:
+        s = rl_train(cfg)
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return 0
+        if s.get("exited_early"):
+            print(f"\nStopped at step {s['step']}/{cfg.rl.steps} (checkpointed); rerun the same command to resume. "
+                  f"Output: {cfg.rl.output_dir}")
+            return 0
+        print(f"\nRL done: {s['step']} steps, mtp_strategy={cfg.rl.mtp_strategy}, mode={cfg.rl.mode}.")
+        print(f"  held-out reward: {s.get('reward_before', float('nan')):.3f} -> {s.get('reward_after', float('nan')):.3f}")
+        if s.get("train_reward_first_step") is not None:
+            print(f"  training reward: {s['train_reward_first_step']:.3f} (first step) -> "
+                  f"{s['train_reward_last_steps']:.3f} (mean of the last steps)")
+        if s.get("accept_rate_last_steps") is not None:
+            print(f"  draft acceptance: {s.get('accept_rate_first_step') or 0:.3f} -> {s['accept_rate_last_steps']:.3f}; "
+                  f"tokens per verify step {s['tokens_per_verify_last_steps']:.2f}")
+        fit = s.get("acceptance_vs_entropy_fit")
+        if fit and fit.get("slope") is not None:
+            print(f"  acceptance vs entropy: slope {fit['slope']:.3f}, r² {fit['r2']:.2f} "
+                  f"({s['acceptance_vs_entropy_plot']})")
+        b = s.get("speculation_benchmark")
+        if b:
+            print(f"  rollout speed (batch {b['batch']}): {b['no_spec']['tokens_per_s']:.0f} tok/s without speculation, "
+                  f"{b['mtp_spec']['tokens_per_s']:.0f} tok/s with MTP speculation "
+                  f"({b['speedup']:.2f}x; {b['mtp_spec']['tokens_per_verify']:.2f} tokens per verify step)")
+        print(f"  tensorboard: tensorboard --logdir {cfg.rl.output_dir}/tensorboard")
+        print(f"  summary:     {cfg.rl.output_dir}/summary.json")
+    finally:
+        destroy_distributed()
+    return 0
+
+
 def _serve(args) -> int:
     from bebop_megatron.rollout.server import serve
 
@@ -79,6 +118,7 @@ def _quiet_libraries() -> None:
     import warnings
 
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     for pattern in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
                     ".*full scope is deprecated.*", ".*TorchDistLoadShardedStrategy.*"):
         warnings.filterwarnings("ignore", message=pattern)
@@ -92,6 +132,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("train-mtp", help="train MTP heads (trunk frozen) with ce/kl/tv/e2e_tv")
     _add_config_args(p)
     p.set_defaults(func=_train_mtp)
+    p = sub.add_parser("rl", help="asynchronous GRPO with MTP-speculative rollouts")
+    _add_config_args(p)
+    p.set_defaults(func=_rl)
     p = sub.add_parser("convert", help="Hugging Face <-> megatron dist checkpoints")
     p.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
     p.add_argument("--input", required=True, help="HF folder, or a megatron checkpoint / run folder")
@@ -116,13 +159,15 @@ def main(argv=None) -> int:
     from bebop_megatron.convert.layout import ConversionError
     from bebop_megatron.data import DataError
     from bebop_megatron.model.spec import MissingOptionalDependency
+    from bebop_megatron.rollout.bridge import RolloutError
 
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"bebop: config error: {e}", file=sys.stderr)
         return 2
-    except (DataError, CheckpointMismatch, MissingOptionalDependency, FileNotFoundError, ConversionError) as e:
+    except (DataError, CheckpointMismatch, MissingOptionalDependency, FileNotFoundError, ConversionError,
+            RolloutError) as e:
         print(f"bebop: error: {e}", file=sys.stderr)
         return 2
 

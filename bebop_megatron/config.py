@@ -1,7 +1,7 @@
 """Run configuration: dataclasses loaded from YAML, overridable from the command line.
 
 One YAML file maps onto :class:`Config` section by section (``model``, ``parallel``, ``mtp``,
-``data``, ``train``). Overrides use dotted keys, e.g. ``--set model.mtp_num_layers=3``; values
+``data``, ``train``, ``rl``). Overrides use dotted keys, e.g. ``--set model.mtp_num_layers=3``; values
 are parsed as YAML scalars. :meth:`Config.validate` checks the arithmetic Megatron would
 otherwise fail on deep inside a run (head/vocab/layer divisibility by TP/PP, batch sizes).
 """
@@ -26,6 +26,8 @@ FP8_FORMATS = (None, "hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 DTYPES = ("float32", "bfloat16", "float16")
+MTP_STRATEGIES = ("frozen", "online", "growmtp", "occ", "none")
+REWARDS = ("synthetic", "math", "code")
 
 
 @dataclass
@@ -126,12 +128,71 @@ class TrainConfig:
 
 
 @dataclass
+class RLConfig:
+    """``bebop rl``: asynchronous GRPO with speculative rollouts (see bebop_megatron/rl/trainer.py)."""
+
+    init: Optional[str] = None  # train-mtp output dir (or a checkpoint folder) to start the policy from
+    output_dir: str = "outputs/rl"
+    steps: int = 20
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    # ---- rollouts
+    prompts_per_step: int = 8
+    group_size: int = 8  # samples per prompt (GRPO group)
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list = field(default_factory=list)  # stop strings (besides EOS)
+    reward: str = "synthetic"  # synthetic | math | code
+    prompts_path: Optional[str] = None  # JSONL {"prompt", "answer"} (math/synthetic) or {"prompt", "tests"} (code)
+    task: str = "mixed"  # synthetic task family when prompts_path is None
+    eval_prompts: int = 64  # held-out prompts scored before and after RL
+    # ---- async loop
+    mode: str = "async"  # async (rollouts overlap training) | sync
+    max_staleness: int = 1  # async: a batch may be generated up to this many policy versions early
+    servers: list = field(default_factory=list)  # URLs of running SGLang / `bebop serve` servers
+    num_local_servers: int = 1  # when `servers` is empty: `bebop serve` processes started by the trainer
+    server_threads: int = 1  # torch threads per local server
+    server_max_running: int = 64
+    api_key: Optional[str] = None
+    speculative: bool = True  # MTP speculative decoding in the rollout servers (γ = model.mtp_num_layers)
+    verify: str = "rejection"  # rejection | target_only
+    weight_sync: str = "tensor"  # tensor (update_weights_from_tensor) | disk (shared file system)
+    sync_bucket_mb: int = 256
+    # ---- GRPO
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # clip-higher (DAPO)
+    kl_coef: float = 0.0  # > 0: k3 KL to the initial policy (a frozen reference copy)
+    tis_cap: float = 2.0  # truncated importance sampling cap (rollout vs trainer log-probs); 0: off
+    normalize_adv_std: bool = True
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    overlong_filter: bool = False  # no loss on samples cut at max_new_tokens
+    # ---- MTP heads during RL
+    mtp_strategy: str = "frozen"  # frozen | online | growmtp | occ | none
+    online_mtp_loss: str = "e2e_tv"  # objective for mtp_strategy=online
+    growmtp_topk: int = 8  # target distribution recorded by the verifier as top-k + residual
+    occ_lambda: float = 1.0
+    occ_ema: float = 0.9  # smoothing of the online-calibrated coefficient across steps
+    # ---- entropy control
+    entropy_control: str = "none"  # none | entrocraft
+    entrocraft_low: list = field(default_factory=lambda: [0.6, 0.4])  # band low: start -> end
+    entrocraft_high: list = field(default_factory=lambda: [0.7, 0.5])  # band high: start -> end
+    entrocraft_anneal_steps: int = 1000
+    # ---- bookkeeping
+    save_interval: int = 5
+    exit_interval: int = 0  # stop (checkpointed) after this many steps in one invocation
+    bench_speculation: bool = True  # end of run: rollout tokens/s with vs without speculation
+    bench_prompts: int = 32
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -239,8 +300,57 @@ class Config:
                           f"micro_batch_size {p.micro_batch_size}")
         if t.steps < 0 or t.lr <= 0:
             errors.append("train.steps must be >= 0 and train.lr > 0")
+        errors += self._validate_rl(world_size)
         if errors:
             raise ConfigError("; ".join(errors))
+
+
+    def _validate_rl(self, world_size: Optional[int]) -> list[str]:
+        r, p = self.rl, self.parallel
+        errors = []
+        if r.mtp_strategy not in MTP_STRATEGIES:
+            errors.append(f"rl.mtp_strategy must be one of {MTP_STRATEGIES}, got {r.mtp_strategy!r}")
+        if r.online_mtp_loss not in MTP_LOSSES:
+            errors.append(f"rl.online_mtp_loss must be one of {MTP_LOSSES}, got {r.online_mtp_loss!r}")
+        if r.reward not in REWARDS:
+            errors.append(f"rl.reward must be one of {REWARDS}, got {r.reward!r}")
+        if r.mode not in ("async", "sync"):
+            errors.append(f"rl.mode must be async or sync, got {r.mode!r}")
+        if r.entropy_control not in ("none", "entrocraft"):
+            errors.append(f"rl.entropy_control must be none or entrocraft, got {r.entropy_control!r}")
+        if r.weight_sync not in ("tensor", "disk"):
+            errors.append(f"rl.weight_sync must be tensor or disk, got {r.weight_sync!r}")
+        if r.verify not in ("rejection", "target_only"):
+            errors.append(f"rl.verify must be rejection or target_only, got {r.verify!r}")
+        for name in ("steps", "max_staleness", "eval_prompts", "save_interval", "exit_interval"):
+            if getattr(r, name) < 0:
+                errors.append(f"rl.{name} must be >= 0")
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "num_local_servers", "growmtp_topk"):
+            if getattr(r, name) < 1:
+                errors.append(f"rl.{name} must be >= 1")
+        if r.group_size < 2:
+            errors.append("rl.group_size must be >= 2 (group-normalised advantages)")
+        if not (r.temperature > 0):
+            errors.append("rl.temperature must be > 0 (RL samples from the policy)")
+        if not (0 < r.top_p <= 1):
+            errors.append("rl.top_p must be in (0, 1]")
+        if r.lr <= 0 or r.clip_low < 0 or r.clip_high < 0 or r.kl_coef < 0 or r.tis_cap < 0:
+            errors.append("rl.lr must be > 0 and clip_low/clip_high/kl_coef/tis_cap >= 0")
+        for name in ("entrocraft_low", "entrocraft_high"):
+            v = getattr(r, name)
+            if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)):
+                errors.append(f"rl.{name} must be [start, end]")
+        if self.rl.max_new_tokens + 2 > self.data.seq_length:
+            errors.append(f"rl.max_new_tokens {r.max_new_tokens} leaves no room for a prompt in "
+                          f"data.seq_length {self.data.seq_length}")
+        samples = r.prompts_per_step * r.group_size
+        dp = 1
+        if world_size is not None and world_size % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0:
+            dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        if samples % (p.micro_batch_size * dp):
+            errors.append(f"rl.prompts_per_step*rl.group_size = {samples} samples per step not divisible by "
+                          f"micro_batch_size*DP = {p.micro_batch_size}*{dp}")
+        return errors
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:

@@ -2,6 +2,7 @@
 mid-batch loses nothing, weight sync moves trunk + MTP on every server, metrics under every key."""
 
 import asyncio
+import time
 import json
 import subprocess
 import importlib.util
@@ -95,9 +96,11 @@ def test_routing_failover_and_weight_sync(ckpts):
 
 def test_all_servers_down_is_a_clear_error():
     async def scenario():
-        async with RolloutBridge(["http://127.0.0.1:9"], max_attempts=1) as bridge:
+        async with RolloutBridge(["http://127.0.0.1:9"], max_attempts=1, down_grace_s=1.0) as bridge:
+            t0 = time.time()
             with pytest.raises(RolloutError, match="no healthy rollout server"):
                 await bridge.generate({"input_ids": [1]})
+            assert time.time() - t0 >= 1.0  # it waited the grace period for a restart first
 
     asyncio.run(scenario())
 

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -284,8 +284,6 @@ def iter_hf_buckets(model, shapes: Shapes, bucket_bytes: int = 512 << 20) -> Ite
 
 
 def _megatron_to_hf_worker(rank, world, ckpt, out_tmp, shard_bytes, dtype):
-    from safetensors.torch import save_file
-
     from bebop_megatron.checkpointing import checkpoint_config, load_checkpoint
     from bebop_megatron.model import build_model
     from bebop_megatron.parallel import initialize_distributed
@@ -299,12 +297,22 @@ def _megatron_to_hf_worker(rank, world, ckpt, out_tmp, shard_bytes, dtype):
     model = build_model(cfg, platform, initialize=False)
     load_checkpoint(ckpt, model)
     shapes = Shapes.from_config(cfg, 1, "deepseek")
-    out_tmp = Path(out_tmp)
+    return write_hf_folder(iter_hf_buckets(model, shapes, shard_bytes), cfg, shapes, out_tmp, dtype)
+
+
+def write_hf_folder(buckets: Iterable[dict[str, Tensor]], cfg: Config, shapes: Shapes, out_dir: str | Path,
+                    dtype: str = "float32") -> dict:
+    """Write HF-named buckets as sharded safetensors + index + config.json (what `bebop serve`,
+    SGLang and transformers load)."""
+    from safetensors.torch import save_file
+
+    out_tmp = Path(out_dir)
+    out_tmp.mkdir(parents=True, exist_ok=True)
     index, files, n = {}, [], 0
-    for bucket in iter_hf_buckets(model, shapes, shard_bytes):
+    for bucket in buckets:
         n += 1
         fname = f"model-{n:05d}.safetensors"
-        save_file({k: v.to(getattr(torch, dtype)) for k, v in bucket.items()}, str(out_tmp / fname),
+        save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in bucket.items()}, str(out_tmp / fname),
                   metadata={"format": "pt"})
         files.append(fname)
         index.update({k: fname for k in bucket})

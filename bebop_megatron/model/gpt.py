@@ -61,6 +61,9 @@ class BebopGPTModel(GPTModel):
         self.mtp_detach_trunk = mtp_detach_trunk
         self.true_vocab_size = true_vocab_size
         self.mtp_kl_weight = 0.0  # set by trainers for a KL warm-up
+        # RL: a callable that replaces the loss computation on the last stage (see
+        # bebop_megatron/rl/policy_forward.py); it gets the decoder output and returns the output tensor
+        self.postprocess_hook = None
         gamma = self.config.mtp_num_layers or 0
         self.mtp_metrics = MTPMetrics(gamma)
         if self.mtp_process and not self.post_process:
@@ -100,6 +103,29 @@ class BebopGPTModel(GPTModel):
             weight = (weight if weight is not None else self.output_layer.weight).detach()
         return _LazyMTPLogits(self, mtp_hidden, weight)
 
+    def vocab_start(self, local_vocab: int) -> int:
+        return parallel_state.get_tensor_model_parallel_rank() * local_vocab
+
+    def mtp_objective(self, logits: Tensor, mtp_hidden: list[Tensor], loss_type: str, labels: Tensor,
+                      loss_mask: Tensor, position_ids: Optional[Tensor]):
+        """The MTP objective (vocab-parallel) against the detached main head; records metrics when
+        training. Call before the main CE (megatron's vocab-parallel CE edits logits in place)."""
+        out = mtp_objective(
+            logits,
+            self.mtp_logits(mtp_hidden),
+            loss_type,
+            loss_mask,
+            labels=labels,
+            segment_ids=segment_ids_from_position_ids(position_ids) if position_ids is not None else None,
+            tp_group=self.pg_collection.tp,
+            vocab_start=self.vocab_start(logits.shape[-1]),
+            true_vocab_size=self.true_vocab_size,
+            kl_weight=self.mtp_kl_weight,
+        )
+        if self.training:
+            self.mtp_metrics.update(out)
+        return out
+
     # -------------------------------------------------------------- postprocess
     def _postprocess(
         self,
@@ -121,6 +147,14 @@ class BebopGPTModel(GPTModel):
         extra_block_kwargs=None,
         inference_context=None,
     ):
+        if self.postprocess_hook is not None and labels is not None and inference_context is None:
+            if not self.post_process:
+                return hidden_states
+            mtp_kwargs = dict(attention_mask=attention_mask, inference_params=inference_params,
+                              rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                              rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+                              sequence_len_offset=sequence_len_offset, **(extra_block_kwargs or {}))
+            return self.postprocess_hook(self, hidden_states, input_ids, position_ids, labels, loss_mask, mtp_kwargs)
         if inference_context is not None or not self.config.mtp_num_layers or labels is None:
             # Inference / logits-only forward: the main head alone (MTP drafting is the
             # rollout engine's job, which runs the MTP layers with its own KV cache).
@@ -154,22 +188,7 @@ class BebopGPTModel(GPTModel):
         )
         if loss_mask is None:
             loss_mask = torch.ones_like(labels, dtype=torch.float)
-        tp_group = self.pg_collection.tp
-        vocab_local = logits.shape[-1]
-        out = mtp_objective(
-            logits,
-            self.mtp_logits(mtp_hidden),
-            self.mtp_loss_type,
-            loss_mask,
-            labels=labels,
-            segment_ids=segment_ids_from_position_ids(position_ids) if position_ids is not None else None,
-            tp_group=tp_group,
-            vocab_start=parallel_state.get_tensor_model_parallel_rank() * vocab_local,
-            true_vocab_size=self.true_vocab_size,
-            kl_weight=self.mtp_kl_weight,
-        )
-        if self.training:
-            self.mtp_metrics.update(out)
+        out = self.mtp_objective(logits, mtp_hidden, self.mtp_loss_type, labels, loss_mask, position_ids)
         token_loss = self.compute_language_model_loss(labels, logits)
         # attached to the per-token main loss (not the logits: the vocab-parallel CE edits them in place)
         return MTPLossAutoScaler.apply(token_loss, self.config.mtp_loss_scaling_factor * out.loss)

@@ -82,6 +82,7 @@ class ServerState:
     healthy: bool = True
     inflight: int = 0
     failures: int = 0
+    missed_health: int = 0  # consecutive failed health checks
     served: int = 0
     weight_version: Optional[str] = None
     needs_sync: bool = False
@@ -98,13 +99,17 @@ class BridgeStats:
 
 class RolloutBridge:
     def __init__(self, urls: Iterable[str], api_key: Optional[str] = None, timeout: float = 600.0,
-                 max_attempts: int = 4, health_interval: float = 5.0):
+                 max_attempts: int = 4, health_interval: float = 5.0, down_grace_s: float = 60.0):
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         if not self.servers:
             raise ValueError("RolloutBridge needs at least one server URL")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # idle keep-alive connections expire well before the server's keep-alive timeout, so that a
+        # request never goes out on a connection the server is closing
         self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=5.0),
-                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                                            keepalive_expiry=2.0))
+        self.down_grace_s = down_grace_s
         self.max_attempts = max_attempts
         self.health_interval = health_interval
         self.stats = BridgeStats()
@@ -159,6 +164,8 @@ class RolloutBridge:
                 if not self._sync_idle.is_set():  # every server is mid weight-sync: wait for it
                     await self._sync_idle.wait()
                     continue
+                if await self._wait_for_recovery():  # e.g. a restarted server
+                    continue
                 raise
             tried.add(s.url)
             s.inflight += 1
@@ -166,9 +173,12 @@ class RolloutBridge:
                 r = await self.client.post(s.url + "/generate", json=payload)
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 last = f"{type(e).__name__}: {e}"
-                self._mark_down(s, last)
                 self.stats.retries += 1
                 failures += 1
+                if not await self._alive(s):  # a dropped connection from a live server is retried
+                    self._mark_down(s, last)
+                else:
+                    tried.discard(s.url)
                 continue
             finally:
                 s.inflight -= 1
@@ -196,6 +206,23 @@ class RolloutBridge:
             return out
         raise RolloutError(f"request failed after {failures} attempt(s) on {sorted(tried)}: {last}")
 
+    async def _alive(self, s: ServerState) -> bool:
+        try:
+            return (await self.client.get(s.url + "/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _wait_for_recovery(self, routable: bool = True) -> bool:
+        """No usable server: poll health for up to ``down_grace_s``; True once one is back
+        (routable, or merely up when ``routable`` is False, e.g. to be re-synced)."""
+        deadline = time.time() + self.down_grace_s
+        while time.time() < deadline:
+            await self.check_health()
+            if self.healthy() if routable else any(s.healthy for s in self.servers):
+                return True
+            await asyncio.sleep(0.5)
+        return False
+
     @staticmethod
     def _aborted(o: dict) -> bool:
         fr = (o.get("meta_info") or {}).get("finish_reason") or {}
@@ -208,15 +235,16 @@ class RolloutBridge:
     async def check_health(self) -> None:
         async def one(s: ServerState):
             try:
-                r = await self.client.get(s.url + "/health", timeout=5.0)
+                r = await self.client.get(s.url + "/health", timeout=10.0)
                 ok = r.status_code == 200
             except httpx.HTTPError as e:
                 ok, s.last_error = False, repr(e)
+            s.missed_health = 0 if ok else s.missed_health + 1
             if ok and not s.healthy:
                 log.info("rollout server %s is back%s", s.url, " (needs weight sync)" if self.weight_version else "")
                 s.healthy = True
                 s.needs_sync = self.weight_version is not None and s.weight_version != self.weight_version
-            elif not ok and s.healthy:
+            elif not ok and s.healthy and s.missed_health >= 2:  # one slow answer (a busy CPU) is not death
                 self._mark_down(s, s.last_error or "health check failed")
 
         await asyncio.gather(*(one(s) for s in self.servers))
@@ -288,6 +316,8 @@ class RolloutBridge:
 
     async def _sync(self, push, version: str) -> dict:
         targets = [s for s in self.servers if s.healthy]
+        if not targets and await self._wait_for_recovery(routable=False):
+            targets = [s for s in self.servers if s.healthy]
         if not targets:
             raise RolloutError("no healthy rollout server to sync")
         t0 = time.time()

@@ -109,6 +109,10 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
     on_update: Optional[Callable[["Request"], None]] = None
     aborted: bool = False
+    # GrowMTP: per verify step, the MTP position t (x_{t+1} was the newest committed token), the
+    # drafts accepted, and the verifier's target distribution per depth as top-k ids/probs
+    spec_record_topk: int = 0
+    spec_records: list[dict] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -145,8 +149,10 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
-                    return_logprob: bool = False, on_update=None) -> Request:
+                    return_logprob: bool = False, on_update=None, spec_record_topk: int = 0) -> Request:
         params.validate()
+        if not isinstance(spec_record_topk, int) or spec_record_topk < 0 or spec_record_topk > 64:
+            raise RequestError(f"spec_record_topk must be an integer in [0, 64], got {spec_record_topk!r}")
         if not input_ids:
             raise RequestError("empty prompt: input_ids must hold at least one token")
         V = self.model.config.vocab_size
@@ -157,7 +163,7 @@ class Engine:
             raise RequestError(f"prompt ({len(input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
                                f"exceeds the context length {self.max_len}")
         req = Request(rid=rid or f"req-{next(self._rid)}", input_ids=list(input_ids), params=params,
-                      return_logprob=return_logprob, on_update=on_update)
+                      return_logprob=return_logprob, on_update=on_update, spec_record_topk=spec_record_topk)
         g = torch.Generator()
         g.manual_seed(params.seed if params.seed is not None else torch.randint(0, 2**62, ()).item())
         req.generator = g
@@ -289,6 +295,11 @@ class Engine:
         for i, r in enumerate(reqs):
             m = int(num_acc[i])
             emitted = drafts[i, :m].tolist() + [int(nxt[i])]
+            if r.spec_record_topk:
+                k = min(r.spec_record_topk, p.shape[-1])
+                top = p[i, :g].topk(k, dim=-1)
+                r.spec_records.append({"pos": L[i] - 2, "accepted": m, "topk_ids": top.indices.tolist(),
+                                       "topk_probs": [[round(x, 6) for x in row] for row in top.values.tolist()]})
             r.verify_ct += 1
             r.proposed += g
             r.accepted += m

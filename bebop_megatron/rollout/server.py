@@ -55,6 +55,8 @@ class GenerateRequest(BaseModel):
     return_logprob: Optional[Union[bool, list[bool]]] = False
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    # bebop extension (GrowMTP): record the verifier's target distribution as top-k per verify step
+    return_spec_records: int = 0
 
 
 class CompletionRequest(BaseModel):
@@ -205,18 +207,20 @@ class BebopServer:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
         if self.engine.gamma:
             meta.update(spec_metrics(r.verify_ct, completion, r.accepted, r.proposed, r.accepted_per_depth))
+            if r.spec_record_topk:
+                meta["spec_verify_records"] = r.spec_records
         return meta
 
     def _result(self, r: Request) -> dict:
         return {"text": self._decode(r.output_ids), "output_ids": list(r.output_ids), "meta_info": self._meta(r)}
 
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], logprobs: list[bool],
-                rids: list[Optional[str]], loop, on_event) -> list[Request]:
+                rids: list[Optional[str]], loop, on_event, spec_record_topk: int = 0) -> list[Request]:
         reqs = []
         try:
             for ids, sp, lp, rid in zip(prompts, params, logprobs, rids):
                 reqs.append(self.engine.add_request(
-                    ids, sp, rid=rid, return_logprob=bool(lp),
+                    ids, sp, rid=rid, return_logprob=bool(lp), spec_record_topk=spec_record_topk,
                     on_update=lambda r: loop.call_soon_threadsafe(on_event, r)))
         except RequestError as e:
             for r in reqs:
@@ -417,7 +421,8 @@ class BebopServer:
             prompts, sps, lps, rids, single = server._expand(body)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
-            reqs = server._submit(prompts, sps, lps, rids, loop, queue.put_nowait)
+            reqs = server._submit(prompts, sps, lps, rids, loop, queue.put_nowait,
+                                  spec_record_topk=body.return_spec_records)
             if body.stream:
                 return StreamingResponse(server._stream(reqs, queue), media_type="text/event-stream")
             await _wait_all(reqs, queue)
@@ -613,6 +618,6 @@ def serve(args) -> None:
     log.info("bebop serve on http://%s:%d (speculative: %s, γ=%d)", args.host, args.port,
              server.engine.spec.algorithm, server.engine.gamma)
     try:
-        uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
     finally:
         server.worker.stop()

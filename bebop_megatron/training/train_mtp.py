@@ -48,7 +48,8 @@ class PhaseResult:
     exited_early: bool = False
 
 
-def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int):
+def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int, warmup_steps: Optional[int] = None,
+                        decay_style: str = "cosine"):
     """megatron-core DDP + optimizer + LR schedule over the parameters that require grad."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -69,9 +70,10 @@ def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int):
                         bf16=bf16, params_dtype=getattr(torch, cfg.model.params_dtype)),
         [ddp],
     )
+    warmup = t.warmup_steps if warmup_steps is None else warmup_steps
     sched = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=lr, min_lr=min(t.min_lr, lr), lr_warmup_steps=min(t.warmup_steps, max(steps - 1, 0)),
-        lr_decay_steps=max(steps, 1), lr_decay_style="cosine", start_wd=t.weight_decay, end_wd=t.weight_decay,
+        opt, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min(t.min_lr, lr),
+        lr_warmup_steps=min(warmup, max(steps - 1, 0)), lr_decay_steps=max(steps, 1), lr_decay_style=decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=max(steps, 1), wd_incr_style="constant",
     )
     return ddp, opt, sched

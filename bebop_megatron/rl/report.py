@@ -1,0 +1,104 @@
+"""End-of-run RL report: acceptance vs entropy (plot + linear fit) and a speculation benchmark."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def linear_fit(x: list[float], y: list[float]) -> dict:
+    """Least squares y = slope * x + intercept, with r^2 (None when x has no spread)."""
+    xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(xa) < 2 or np.ptp(xa) == 0:
+        return {"slope": None, "intercept": None, "r2": None, "n": int(len(xa))}
+    slope, intercept = np.polyfit(xa, ya, 1)
+    pred = slope * xa + intercept
+    ss_tot = float(((ya - ya.mean()) ** 2).sum())
+    r2 = 1.0 - float(((ya - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
+    return {"slope": float(slope), "intercept": float(intercept), "r2": r2, "n": int(len(xa))}
+
+
+def _svg_scatter(x, y, fit: dict, xlabel: str, ylabel: str, title: str) -> str:
+    W, H, m = 560, 400, 60
+    x0, x1 = min(x), max(x)
+    y0, y1 = min(min(y), 0.0), max(max(y), 1.0)
+    x1 = x1 if x1 > x0 else x0 + 1e-3
+    sx = lambda v: m + (v - x0) / (x1 - x0) * (W - 2 * m)  # noqa: E731
+    sy = lambda v: H - m - (v - y0) / (y1 - y0) * (H - 2 * m)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+             f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
+             f'<text x="{W / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
+             f'<line x1="{m}" y1="{H - m}" x2="{W - m}" y2="{H - m}" stroke="black"/>',
+             f'<line x1="{m}" y1="{m}" x2="{m}" y2="{H - m}" stroke="black"/>',
+             f'<text x="{W / 2}" y="{H - 15}" text-anchor="middle">{xlabel}</text>',
+             f'<text x="15" y="{H / 2}" transform="rotate(-90 15 {H / 2})" text-anchor="middle">{ylabel}</text>']
+    for v in (x0, x1):
+        parts.append(f'<text x="{sx(v):.1f}" y="{H - m + 15}" text-anchor="middle">{v:.3f}</text>')
+    for v in (y0, y1):
+        parts.append(f'<text x="{m - 5}" y="{sy(v):.1f}" text-anchor="end">{v:.2f}</text>')
+    for a, b in zip(x, y):
+        parts.append(f'<circle cx="{sx(a):.1f}" cy="{sy(b):.1f}" r="3" fill="steelblue"/>')
+    if fit["slope"] is not None:
+        f = lambda v: fit["slope"] * v + fit["intercept"]  # noqa: E731
+        parts.append(f'<line x1="{sx(x0):.1f}" y1="{sy(f(x0)):.1f}" x2="{sx(x1):.1f}" y2="{sy(f(x1)):.1f}" '
+                     f'stroke="crimson" stroke-width="2"/>')
+        parts.append(f'<text x="{W - m}" y="{m}" text-anchor="end" fill="crimson">'
+                     f'accept = {fit["slope"]:.3f} H + {fit["intercept"]:.3f} (r² {fit["r2"]:.2f})</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def acceptance_vs_entropy(rows: list[dict], out_dir: Path) -> dict:
+    """Per-step (policy entropy, draft acceptance) points, their linear fit, an SVG plot and a JSON."""
+    pts = [(r["policy/entropy"], r["spec/accept_rate"]) for r in rows
+           if "spec/accept_rate" in r and "policy/entropy" in r]
+    if not pts:
+        return {}
+    x, y = [p[0] for p in pts], [p[1] for p in pts]
+    fit = linear_fit(x, y)
+    (out_dir / "acceptance_vs_entropy.svg").write_text(
+        _svg_scatter(x, y, fit, "policy entropy (token mean, nats)", "draft acceptance rate",
+                     "MTP acceptance vs policy entropy, one point per RL step"))
+    (out_dir / "acceptance_vs_entropy.json").write_text(json.dumps({"entropy": x, "accept_rate": y, "fit": fit}, indent=2))
+    return {"acceptance_vs_entropy_fit": fit, "acceptance_vs_entropy_plot": str(out_dir / "acceptance_vs_entropy.svg")}
+
+
+def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats: int = 1) -> dict:
+    """Rollout tokens/s of the final policy on the embedded engine, with and without MTP speculation,
+    measured side by side on the same prompts and sampling settings."""
+    import torch
+
+    from bebop_megatron.rl.weight_sync import rollout_model_for
+    from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
+
+    r = cfg.rl
+    model = rollout_model_for(cfg)
+    for b in buckets:
+        model.load_hf_state_dict(b, strict=False)
+    ids = [list(tokenizer.encode(p.text)) for p in prompts[: r.bench_prompts]]
+    stop_ids = [t for s in r.stop for t in (tokenizer.encode(s) if len(tokenizer.encode(s)) == 1 else [])]
+    res = {}
+    for name, spec in (("no_spec", SpecConfig("none")),
+                       ("mtp_spec", SpecConfig("mtp", cfg.model.mtp_num_layers, r.verify))):
+        eng = Engine(model, tokenizer, spec, max_running=max(len(ids), 1), max_len=cfg.data.seq_length + 8)
+        params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                 stop_token_ids=stop_ids, seed=i) for i in range(len(ids))]
+        eng.generate(ids[:2], params[:2])  # warm-up
+        eng.total_verify_ct = eng.total_generated = eng.total_accepted_drafts = eng.total_proposed_drafts = 0
+        t0 = time.perf_counter()
+        toks = 0
+        for _ in range(repeats):
+            with torch.inference_mode():
+                reqs = eng.generate(ids, [SamplingParams(**vars(p)) for p in params])
+            toks += sum(len(q.output_ids) for q in reqs)
+        dt = time.perf_counter() - t0
+        st = eng.stats()
+        res[name] = {"tokens": toks, "seconds": dt, "tokens_per_s": toks / dt,
+                     "tokens_per_verify": st["avg_spec_accept_length"] if spec.algorithm == "mtp" else 1.0,
+                     "accept_rate": st["spec_accept_rate"] if spec.algorithm == "mtp" else None}
+    res["speedup"] = res["mtp_spec"]["tokens_per_s"] / res["no_spec"]["tokens_per_s"]
+    res["batch"] = len(ids)
+    return res

@@ -1,0 +1,243 @@
+"""Rollout side of RL: prompts, scored samples, and the manager that drives the rollout servers.
+
+The manager owns an asyncio loop in a background thread with a :class:`RolloutBridge` to one or
+many SGLang-API servers (our embedded ``bebop serve`` by default, real SGLang when configured).
+The trainer submits the batch of step ``i`` (a pure function of the seed and ``i``: resuming
+replays the same prompts) and gets a ``concurrent.futures.Future``; generation, scoring and weight
+syncs run on the loop while the trainer computes, which is what makes the loop asynchronous.
+Every sample records the weight version that produced it and its speculative counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from bebop_megatron.data import DataError
+from bebop_megatron.rollout.bridge import RolloutBridge, RolloutError
+
+log = logging.getLogger("bebop.rl.rollout")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    answer: Any  # str (synthetic/math) or tests (code)
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    truncated: bool
+    weight_version: int
+    text: str = ""
+    verify_ct: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    accepted_per_depth: list[int] = field(default_factory=list)
+    spec_records: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class RolloutBatch:
+    step: int
+    samples: list[Sample]  # prompt-major: group g holds samples [g*G, (g+1)*G)
+    prompt_indices: list[int]
+    seconds: float
+    retries: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def load_prompts(path: str | Path, reward: str) -> list[Prompt]:
+    """JSONL: ``{"prompt": str, "answer": str}`` (synthetic/math) or ``{"prompt": str, "tests": ...}`` (code)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"prompt file not found: {path}")
+    key = "tests" if reward == "code" else "answer"
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON: {e}") from e
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or key not in rec:
+            raise DataError(f"{path}:{lineno}: needs a string 'prompt' and '{key}'")
+        out.append(Prompt(rec["prompt"], rec[key]))
+    if not out:
+        raise DataError(f"{path}: no prompts")
+    return out
+
+
+class PromptSource:
+    """Training prompts in a seeded per-epoch order; step ``i`` takes positions [i*P, (i+1)*P)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.prompts, self.seed = prompts, seed
+
+    def indices_for_step(self, step: int, per_step: int) -> list[int]:
+        out = []
+        n = len(self.prompts)
+        for pos in range(step * per_step, (step + 1) * per_step):
+            epoch, i = divmod(pos, n)
+            perm = list(range(n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+            out.append(perm[i])
+        return out
+
+
+def build_prompts(cfg, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, held-out evaluation prompts)."""
+    r = cfg.rl
+    if r.prompts_path:
+        prompts = load_prompts(r.prompts_path, r.reward)
+        n_eval = min(r.eval_prompts, len(prompts) // 5)
+        train, evals = prompts[n_eval:], prompts[:n_eval]
+    else:
+        from bebop_megatron.rl.rewards.synthetic import make_tasks
+
+        train = [Prompt(t.prompt, t.answer) for t in make_tasks(4096, cfg.train.seed + 17, r.task)]
+        evals = [Prompt(t.prompt, t.answer) for t in make_tasks(r.eval_prompts, cfg.train.seed + 29, r.task)]
+    longest = max(len(tokenizer.encode(p.text)) for p in train + evals)
+    if longest + r.max_new_tokens + 1 > cfg.data.seq_length:
+        raise DataError(f"the longest prompt ({longest} tokens) + rl.max_new_tokens ({r.max_new_tokens}) does "
+                        f"not fit data.seq_length {cfg.data.seq_length}")
+    return train, evals
+
+
+def reward_fn(kind: str) -> Callable[[str, Any], float]:
+    from bebop_megatron.rl.rewards import code_reward, math_reward, synthetic_reward
+
+    return {"synthetic": synthetic_reward, "math": math_reward, "code": code_reward}[kind]
+
+
+# ---------------------------------------------------------------------------- manager
+
+
+class RolloutManager:
+    """Thread-safe front of the bridge for the (synchronous) trainer."""
+
+    def __init__(self, urls: list[str], cfg, tokenizer, prompts: list[Prompt], api_key: Optional[str] = None,
+                 record_topk: int = 0):
+        self.cfg, self.tok, self.prompts = cfg, tokenizer, prompts
+        self.source = PromptSource(prompts, cfg.train.seed)
+        self.reward = reward_fn(cfg.rl.reward)
+        self.record_topk = record_topk
+        self._stop_ids, self._stop_strs = self._stops(cfg.rl.stop)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bebop-rollout", daemon=True)
+        self._thread.start()
+        self.bridge: RolloutBridge = self._call(self._make_bridge(urls, api_key))
+
+    async def _make_bridge(self, urls, api_key) -> RolloutBridge:
+        b = RolloutBridge(urls, api_key=api_key, health_interval=2.0)
+        b.start_health_checks()
+        return b
+
+    def _stops(self, stops: list[str]) -> tuple[list[int], list[str]]:
+        """Single-token stop strings become stop_token_ids (cheaper for the server)."""
+        ids, strs = [], []
+        for s in stops:
+            enc = list(self.tok.encode(s))
+            (ids.append(enc[0]) if len(enc) == 1 else strs.append(s))
+        return ids, strs
+
+    def _call(self, coro, timeout: Optional[float] = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    # --------------------------------------------------------------- generation
+    def submit(self, step: int) -> Future:
+        """Start generating (and scoring) the batch of training step ``step``."""
+        idx = self.source.indices_for_step(step, self.cfg.rl.prompts_per_step)
+        return asyncio.run_coroutine_threadsafe(self._batch(step, idx, self.prompts, train=True), self.loop)
+
+    def evaluate(self, prompts: list[Prompt], seed: int = 0) -> float:
+        """Mean reward of one sample per held-out prompt at the training temperature."""
+        if not prompts:
+            return float("nan")
+        batch = self._call(self._batch(-1 - seed, list(range(len(prompts))), prompts, train=False))
+        return sum(s.reward for s in batch.samples) / len(batch.samples)
+
+    def _payload(self, ids: list[int], seed: int) -> dict:
+        r = self.cfg.rl
+        sp = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p, "seed": seed}
+        if self._stop_ids:
+            sp["stop_token_ids"] = self._stop_ids
+        if self._stop_strs:
+            sp["stop"] = self._stop_strs
+        body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
+        if self.record_topk:
+            body["return_spec_records"] = self.record_topk
+        return body
+
+    async def _batch(self, step: int, indices: list[int], prompts: list[Prompt], train: bool) -> RolloutBatch:
+        t0 = time.time()
+        r = self.cfg.rl
+        G = r.group_size if train else 1
+        retries0 = self.bridge.stats.retries
+        jobs = []
+        for j, pi in enumerate(indices):
+            ids = list(self.tok.encode(prompts[pi].text))
+            for g in range(G):
+                seed = (self.cfg.train.seed * 7919 + step * 1_000_003 + j * G + g) % (2**31)
+                jobs.append(self._one(pi, ids, prompts[pi], seed))
+        samples = await asyncio.gather(*jobs)
+        return RolloutBatch(step, list(samples), indices, time.time() - t0, self.bridge.stats.retries - retries0)
+
+    async def _one(self, pi: int, ids: list[int], prompt: Prompt, seed: int) -> Sample:
+        out = await self.bridge.generate(self._payload(ids, seed))
+        meta = out.get("meta_info", {})
+        resp = [int(t) for t in out.get("output_ids", [])]
+        lps = meta.get("output_token_logprobs") or []
+        if len(lps) != len(resp):
+            raise RolloutError(f"server returned {len(lps)} log-probs for {len(resp)} tokens")
+        text = self.tok.decode(resp)
+        if self.cfg.rl.reward == "code":  # the sandbox blocks: keep the loop free
+            reward = await asyncio.get_running_loop().run_in_executor(None, self.reward, text, prompt.answer)
+        else:
+            reward = self.reward(text, prompt.answer)
+        fr = meta.get("finish_reason") or {}
+        try:
+            version = int(meta.get("weight_version", 0))
+        except (TypeError, ValueError):
+            version = 0
+        acc = int(meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts", 0)) or 0)
+        prop = int(meta.get("spec_num_proposed_drafts", meta.get("spec_proposed_drafts", 0)) or 0)
+        return Sample(pi, ids, resp, [float(x[0]) for x in lps], float(reward),
+                      isinstance(fr, dict) and fr.get("type") == "length", version, text,
+                      int(meta.get("spec_verify_ct", 0) or 0), acc, prop,
+                      list(meta.get("spec_accepted_per_depth") or []), list(meta.get("spec_verify_records") or []))
+
+    # --------------------------------------------------------------- weights
+    def sync_tensors(self, buckets: Iterable[dict], version: int, expect_mtp: bool) -> dict:
+        return self._call(self.bridge.update_weights_from_tensor(list(buckets), str(version), expect_mtp))
+
+    def sync_disk(self, model_path: str, version: int, expect_mtp: bool) -> dict:
+        return self._call(self.bridge.update_weights_from_disk(model_path, str(version), expect_mtp))
+
+    def close(self) -> None:
+        try:
+            self._call(self.bridge.close(), timeout=30)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)

@@ -1,0 +1,596 @@
+"""``bebop rl``: asynchronous GRPO on megatron-core with speculative rollouts.
+
+One training step ``i`` (policy version ``i`` -> ``i + 1``):
+  1. take the rollout batch of step ``i`` (submitted earlier: in ``async`` mode up to
+     ``rl.max_staleness`` versions before, so generation overlaps the previous steps' training;
+     in ``sync`` mode only after the previous weight sync);
+  2. group-normalised advantages, dynamic-sampling / overlong / Entrocraft keep masks;
+  3. forward/backward through megatron-core's pipeline schedule with the GRPO loss (PPO clip with
+     clip-higher, token-mean over the whole batch, TIS against the rollout log-probs, optional k3
+     KL to a frozen reference) and the MTP strategy's loss; one optimizer step;
+  4. weight sync to every rollout server in buckets (pause -> push -> continue; requests caught
+     by the pause are re-sent and run entirely under the new version);
+  5. metrics to the console, TensorBoard and ``metrics.jsonl``; a checkpoint every
+     ``rl.save_interval`` steps (model, optimizer, LR schedule, step, OCC state, RNG).
+
+Rank 0 owns the rollout manager (servers, bridge, rewards) and the logs; every rank trains.
+A rerun with the same ``rl.output_dir`` resumes from the latest checkpoint: step ``i`` always
+uses the same prompts, so no step is repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, load_model_weights, save_checkpoint
+from bebop_megatron.config import Config
+from bebop_megatron.data import load_tokenizer
+from bebop_megatron.model import build_model
+from bebop_megatron.parallel import initialize_distributed
+from bebop_megatron.rl.batch import PreparedBatch, prepare_batch
+from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
+from bebop_megatron.rl.grpo import policy_loss, tis_weights
+from bebop_megatron.rl.policy_forward import RLForward, RLMicroBatch
+
+log = logging.getLogger("bebop.rl")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
+        dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _broadcast_object(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_device())
+    return box[0]
+
+
+def resolve_init(path: str) -> Path:
+    """A train-mtp output dir (its ``mtp`` phase), a run folder or a checkpoint folder."""
+    p = Path(path)
+    for cand in (p / "mtp", p):
+        ck = latest_checkpoint(cand)
+        if ck is not None:
+            return ck
+    raise FileNotFoundError(f"rl.init={path} holds no checkpoint (expected a `bebop train-mtp` output dir "
+                            f"or a checkpoint folder)")
+
+
+def set_trainable(model, strategy: str) -> None:
+    """The policy (trunk, embedding, output layer) always trains; the MTP heads only for the
+    strategies that update them."""
+    mtp_trains = strategy in ("online", "growmtp", "occ")
+    for name, p in model.named_parameters():
+        p.requires_grad_(mtp_trains if name.startswith("mtp.") else True)
+
+
+def policy_buckets_on_rank0(model, cfg: Config, bucket_bytes: int) -> Optional[list[dict]]:
+    """The policy's HF-named weights as buckets on global rank 0 (None elsewhere).
+
+    DP replica 0 gathers its TP shards (a TP collective); with PP > 1 each stage's TP-rank-0
+    sends its stage's buckets to rank 0 (all stages are held there at once: fine for the model
+    sizes a single process serves; very large models should sync from each stage directly).
+    """
+    from megatron.core import parallel_state as ps
+
+    from bebop_megatron.convert.hf_megatron import iter_hf_buckets
+    from bebop_megatron.convert.layout import Shapes
+
+    mine: list[dict] = []
+    if ps.get_data_parallel_rank() == 0:
+        shapes = Shapes.from_config(cfg, ps.get_tensor_model_parallel_world_size(), "deepseek")
+        for b in iter_hf_buckets(model, shapes, bucket_bytes):
+            if ps.get_tensor_model_parallel_rank() == 0:
+                mine.append({k: v.detach().cpu() for k, v in b.items()})
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return mine if _rank() == 0 else None
+    gathered = [None] * ps.get_pipeline_model_parallel_world_size() if _rank() == 0 else None
+    if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+        dist.gather_object(mine, gathered, dst=0, group=ps.get_pipeline_model_parallel_group())
+    if _rank() != 0:
+        return None
+    return [b for stage in gathered for b in stage]
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def _forward_step(hook: RLForward, loss_fn, data_iterator, model):
+    mb: RLMicroBatch = next(data_iterator)
+    device = next(model.parameters()).device
+    mb = mb.to(device)
+    hook.batch = mb
+    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask)
+    return out, partial(loss_fn, mb)
+
+
+def _collect_loss(mb: RLMicroBatch, output):
+    """Forward-only: per-token log-probs and entropies, no loss."""
+    return output.sum() * 0.0, {"logp": output[..., 0].detach(), "entropy": output[..., 1].detach()}
+
+
+def _grpo_loss(r, scale: float, mb: RLMicroBatch, output):
+    """GRPO token loss of one micro-batch, scaled so that the schedule's averaging over micro-batches
+    and DDP's over DP ranks give the token-mean over the whole global batch."""
+    logp, ent = output[..., 0], output[..., 1]
+    mask = mb.loss_mask
+    old = mb.old_logp if mb.old_logp is not None else logp.detach()
+    isw = tis_weights(old, mb.rollout_logp, r.tis_cap) * mask if r.tis_cap > 0 else None
+    out = policy_loss(logp, old, mb.advantages, mask, r.clip_low, r.clip_high, is_weights=isw,
+                      ref_logp=mb.ref_logp, kl_coef=r.kl_coef)
+    ntok = mask.sum()
+    loss = out.loss * ntok.clamp(min=1) * scale
+    with torch.no_grad():
+        stats = torch.stack([
+            out.loss * ntok, ntok, out.clip_frac * ntok, out.approx_kl * ntok, out.kl_ref * ntok,
+            (ent * mask).sum(), ((logp - mb.rollout_logp).abs() * mask).sum(),
+            (isw * mask).sum() if isw is not None else ntok,
+        ]).double()
+    return loss, {"rl": stats}
+
+
+STAT_NAMES = ("pg_loss", "tokens", "clip_frac", "approx_kl", "kl_ref", "entropy", "logp_diff_rollout", "tis_weight")
+
+
+def run_schedule(model_chunks, hook: RLForward, microbatches: list[RLMicroBatch], seq_length: int, loss_fn,
+                 forward_only: bool) -> list[dict]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, hook, loss_fn),
+        data_iterator=iter(microbatches),
+        model=model_chunks,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=microbatches[0].tokens.shape[0],
+        forward_only=forward_only,
+    )
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        r, p = cfg.rl, cfg.parallel
+        self.platform = initialize_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                               seed=cfg.train.seed, force_cpu=p.force_cpu)
+        cfg.validate(world_size=dist.get_world_size())
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.out = Path(r.output_dir)
+        self.is_rank0 = _rank() == 0
+        if self.is_rank0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.tok = load_tokenizer(cfg.data.tokenizer)
+        self.gamma = cfg.model.mtp_num_layers
+        # `none`: plain GRPO without MTP anywhere (the baseline), so no speculative rollouts either
+        self.speculative = r.speculative and r.mtp_strategy != "none"
+        self.record_topk = r.growmtp_topk if r.mtp_strategy == "growmtp" else 0
+        if r.mtp_strategy == "growmtp" and not r.speculative:
+            from bebop_megatron.config import ConfigError
+
+            raise ConfigError("rl.mtp_strategy=growmtp learns from the verifier: it needs rl.speculative=true")
+
+        # ---- policy
+        cfg.mtp.detach_trunk = r.mtp_strategy != "occ"
+        self.model = build_model(cfg, self.platform)
+        set_trainable(self.model, r.mtp_strategy)
+        self.hook = RLForward(r.mtp_strategy, r.temperature, r.online_mtp_loss,
+                              r.occ_lambda, r.clip_low, r.clip_high)
+        self.model.postprocess_hook = self.hook
+        from bebop_megatron.training.train_mtp import _wrap_and_optimizer
+
+        self.ddp, self.opt, self.sched = _wrap_and_optimizer(cfg, self.model, r.lr, max(r.steps, 1),
+                                                             warmup_steps=r.warmup_steps, decay_style="constant")
+        self.step, self.version = 0, 0
+        self.resumed_from = latest_checkpoint(self.out)
+        self.init_ckpt: Optional[Path] = resolve_init(r.init) if r.init else None
+        if self.resumed_from is not None:
+            extra = load_checkpoint(self.resumed_from, self.ddp, self.opt)
+            self.step = int(extra["step"])
+            self.version = self.step
+            self.sched.load_state_dict(json.loads(extra["scheduler"]))
+            if extra.get("occ_coef") is not None:
+                self.hook.occ_coef = float(extra["occ_coef"])
+            self._restore_rng(extra)
+            self.state = json.loads(extra.get("rl_state", "{}"))
+            self._log(f"resumed from {self.resumed_from} at step {self.step}")
+        else:
+            self.state = {}
+            if self.init_ckpt is not None:
+                load_model_weights(self.init_ckpt, self.ddp)
+                self._log(f"policy initialised from {self.init_ckpt}")
+            else:
+                self._log("warning: rl.init is not set: RL starts from a randomly initialised policy")
+        self.ref = self._build_reference() if r.kl_coef > 0 else None
+        self.entrocraft = None
+        if r.entropy_control == "entrocraft":
+            self.entrocraft = EntrocraftController(EntrocraftConfig(
+                r.entrocraft_low[0], r.entrocraft_low[1], r.entrocraft_high[0], r.entrocraft_high[1],
+                r.entrocraft_anneal_steps))
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.manager = None
+        self.servers = []
+        self.writer = None
+        self.futures: dict[int, object] = {}
+        self.last_buckets: Optional[list[dict]] = None
+
+    # ------------------------------------------------------------------ setup
+    def _log(self, msg: str) -> None:
+        if self.is_rank0:
+            log.info(msg)
+
+    def _build_reference(self):
+        """Frozen copy of the initial policy for the KL term."""
+        ref = build_model(self.cfg, self.platform)
+        src = self.init_ckpt
+        if src is not None:
+            load_model_weights(src, ref)
+        else:
+            ref.load_state_dict(self.model.state_dict(), strict=False)
+        for p_ in ref.parameters():
+            p_.requires_grad_(False)
+        ref.postprocess_hook = RLForward("none", self.cfg.rl.temperature)
+        return ref.eval()
+
+    def _rng_state(self) -> dict:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def _restore_rng(self, extra: dict) -> None:
+        import pickle
+
+        blob = extra.get("rng")
+        if blob:  # our own checkpoint (see docs/reliability.md on loading only trusted checkpoints)
+            st = pickle.loads(bytes.fromhex(blob))
+            random.setstate(st["python"])
+            np.random.set_state(st["numpy"])
+            torch.set_rng_state(st["torch"])
+
+    def start_rollouts(self) -> None:
+        """Rank 0: export the current policy, start (or connect to) the rollout servers."""
+        from bebop_megatron.rl.rollout import RolloutManager, build_prompts
+
+        r = self.cfg.rl
+        buckets = policy_buckets_on_rank0(self.model, self.cfg, r.sync_bucket_mb << 20)
+        if not self.is_rank0:
+            return
+        self.train_prompts, self.eval_prompts = build_prompts(self.cfg, self.tok)
+        urls = list(r.servers)
+        if not urls:
+            from bebop_megatron.convert.hf_megatron import write_hf_folder
+            from bebop_megatron.convert.layout import Shapes
+            from bebop_megatron.rollout.local_servers import start_local_servers
+
+            init_dir = self.out / "rollout_init"
+            write_hf_folder(buckets, self.cfg, Shapes.from_config(self.cfg, 1, "deepseek"), init_dir)
+            args = ["--context-length", str(self.cfg.data.seq_length + self.gamma + 2),
+                    "--max-running-requests", str(r.server_max_running), "--weight-version", str(self.version)]
+            if self.speculative:
+                args += ["--speculative-algorithm", "MTP", "--speculative-num-steps", str(self.gamma),
+                         "--speculative-verify", r.verify]
+            t0 = time.time()
+            self.servers = start_local_servers(init_dir, r.num_local_servers, args, log_dir=self.out / "logs",
+                                               threads=r.server_threads, api_key=r.api_key)
+            urls = [s.url for s in self.servers]
+            self._log(f"started {len(urls)} local rollout server(s) in {time.time() - t0:.1f}s: {urls}")
+        self.manager = RolloutManager(urls, self.cfg, self.tok, self.train_prompts, api_key=r.api_key,
+                                      record_topk=self.record_topk)
+        if r.servers:  # remote servers hold whatever they were started with: push the policy
+            self.manager.sync_tensors(buckets, self.version, expect_mtp=bool(self.gamma))
+        self.last_buckets = buckets
+
+    # ------------------------------------------------------------------ rollouts
+    def _submit_ahead(self) -> None:
+        """Rank 0: keep the batches this mode allows in flight."""
+        r = self.cfg.rl
+        ahead = r.max_staleness if r.mode == "async" else 0
+        for s in range(self.step, min(self.step + ahead, r.steps - 1) + 1):
+            if s not in self.futures:
+                self.futures[s] = self.manager.submit(s)
+
+    def _sync_weights(self) -> float:
+        t0 = time.time()
+        r = self.cfg.rl
+        buckets = policy_buckets_on_rank0(self.model, self.cfg, r.sync_bucket_mb << 20)
+        if self.is_rank0:
+            if r.weight_sync == "disk":
+                from bebop_megatron.convert.hf_megatron import write_hf_folder
+                from bebop_megatron.convert.layout import Shapes
+
+                d = self.out / "weights" / f"v{self.version}"
+                write_hf_folder(buckets, self.cfg, Shapes.from_config(self.cfg, 1, "deepseek"), d)
+                self.manager.sync_disk(str(d.resolve()), self.version, expect_mtp=bool(self.gamma))
+            else:
+                self.manager.sync_tensors(buckets, self.version, expect_mtp=bool(self.gamma))
+            self.last_buckets = buckets
+        return time.time() - t0
+
+    # ------------------------------------------------------------------ one step
+    def _local_range(self, n: int) -> tuple[int, int]:
+        per = n // self.dp_size
+        return self.dp_rank * per, (self.dp_rank + 1) * per
+
+    def _forward_only(self, model, prep: PreparedBatch, lo: int, hi: int, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp [N, S], entropy [N, S]) for rows lo..hi on the last stage (zeros elsewhere)."""
+        mbs = prep.microbatches(lo, hi, self.cfg.parallel.micro_batch_size, keep)
+        hook = model.postprocess_hook
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            outs = run_schedule([model], hook, mbs, self.cfg.data.seq_length, _collect_loss, forward_only=True)
+        if was_training:
+            model.train()
+        N, S = prep.tokens.shape
+        logp, ent = torch.zeros(N, S), torch.zeros(N, S)
+        if self.ps.is_pipeline_last_stage() and outs:
+            logp[lo:hi] = torch.cat([o["logp"].float().cpu() for o in outs])
+            ent[lo:hi] = torch.cat([o["entropy"].float().cpu() for o in outs])
+        return logp, ent
+
+    def _global_entropy(self, ent: torch.Tensor, prep: PreparedBatch, lo: int, hi: int) -> float:
+        """Token-mean policy entropy over the whole batch's response tokens (all ranks agree)."""
+        contrib = self.ps.is_pipeline_last_stage() and self.ps.get_tensor_model_parallel_rank() == 0
+        m = prep.loss_mask[lo:hi]
+        v = torch.tensor([float((ent[lo:hi] * m).sum()), float(m.sum())] if contrib else [0.0, 0.0],
+                         dtype=torch.float64, device=_device())
+        dist.all_reduce(v)
+        return float(v[0] / v[1].clamp(min=1))
+
+    def train_step(self, samples) -> dict:
+        """One GRPO update on a list of samples (identical on every rank). Returns metrics (rank 0)."""
+        r, p = self.cfg.rl, self.cfg.parallel
+        prep = prepare_batch(samples, r.group_size, self.cfg.data.seq_length, r.normalize_adv_std,
+                             r.dynamic_sampling, r.overlong_filter, self.gamma, self.record_topk)
+        N = len(samples)
+        lo, hi = self._local_range(N)
+        metrics: dict = {}
+        extra_keep, old_logp, ref_logp = None, None, None
+        if self.entrocraft is not None:
+            _, ent = self._forward_only(self.model, prep, lo, hi)
+            h = self._global_entropy(ent, prep, lo, hi)
+            extra_keep, regime = self.entrocraft.keep(self.step, h, prep.advantages)
+            low, high = self.entrocraft.band(self.step)
+            metrics.update({"entrocraft/entropy_before": h, "entrocraft/low": low, "entrocraft/high": high,
+                            "entrocraft/regime": {"low": -1, "band": 0, "high": 1}[regime]})
+        if self.ref is not None:
+            ref_logp, _ = self._forward_only(self.ref, prep, lo, hi)
+        n_tok = prep.num_loss_tokens(extra_keep)
+        mbs = prep.microbatches(lo, hi, p.micro_batch_size, extra_keep, old_logp, ref_logp)
+        scale = len(mbs) * self.dp_size / max(n_tok, 1)
+
+        for chunk in (self.ddp,):
+            chunk.zero_grad_buffer()
+        self.opt.zero_grad()
+        self.model.train()
+        outs = run_schedule([self.ddp], self.hook, mbs, self.cfg.data.seq_length, partial(_grpo_loss, r, scale),
+                            forward_only=False)
+        ok, grad_norm, _ = self.opt.step()
+        self.sched.step(increment=1)
+        self.step += 1
+        self.version = self.step
+
+        # ---- metrics: reduce on the last stage, then hand to rank 0
+        last = self.ps.is_pipeline_last_stage()
+        stats, mtp_m, hook_m = None, {}, {}
+        if last:
+            v = torch.stack([o["rl"] for o in outs]).sum(0) if outs else torch.zeros(len(STAT_NAMES), dtype=torch.float64)
+            v = v.to(_device())
+            if self.dp_size > 1:
+                dist.all_reduce(v, group=self.ps.get_data_parallel_group())
+            stats = v.cpu().tolist()
+            if r.mtp_strategy == "online":
+                mtp_m = self.model.mtp_metrics.reduce(self.ps.get_data_parallel_group())
+            hook_m = self.hook.pop_stats()
+        else:
+            self.hook.pop_stats()
+        stats, mtp_m, hook_m = _broadcast_object((stats, mtp_m, hook_m), src=dist.get_world_size() - 1)
+        if "occ/coef_batch" in hook_m:
+            c = hook_m["occ/coef_batch"]
+            prev = self.hook.occ_coef
+            self.hook.occ_coef = c if prev is None else r.occ_ema * prev + (1 - r.occ_ema) * c
+        ntok = max(stats[1], 1.0)
+        metrics.update({
+            "loss/pg": stats[0] / ntok, "loss/clip_frac": stats[2] / ntok, "loss/approx_kl": stats[3] / ntok,
+            "loss/kl_ref": stats[4] / ntok, "policy/entropy": stats[5] / ntok,
+            "policy/logp_diff_vs_rollout": stats[6] / ntok, "policy/tis_weight": stats[7] / ntok,
+            "loss/tokens": stats[1], "optim/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "optim/lr": self.opt.param_groups[0]["lr"], "optim/update_ok": float(bool(ok)),
+            "data/kept_samples": float((prep.keep if extra_keep is None else prep.keep & extra_keep).float().mean()),
+        })
+        metrics.update({f"mtp_online/{k.split('/', 1)[-1]}": v for k, v in mtp_m.items()})
+        metrics.update(hook_m)
+        return metrics
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        r = self.cfg.rl
+        self.start_rollouts()
+        summary = dict(self.state.get("summary", {}))
+        if self.is_rank0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.out / "tensorboard"))
+            self._truncate_metrics(self.step)
+            if "reward_before" not in summary:
+                summary["reward_before"] = self.manager.evaluate(self.eval_prompts)
+                self._log(f"held-out reward before RL: {summary['reward_before']:.3f} "
+                          f"({len(self.eval_prompts)} prompts)")
+        start = self.step
+        exit_at = start + r.exit_interval if r.exit_interval > 0 else None
+        progress = None
+        if self.is_rank0 and self.cfg.train.progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=r.steps, initial=self.step, desc="rl", unit="step", dynamic_ncols=True)
+        try:
+            while self.step < r.steps and (exit_at is None or self.step < exit_at):
+                self._one_step(progress)
+                if self.step % max(r.save_interval, 1) == 0 or self.step == r.steps or self.step == exit_at:
+                    self._save(summary)
+        finally:
+            if progress is not None:
+                progress.close()
+        summary["step"] = self.step
+        summary["exited_early"] = self.step < r.steps
+        if self.is_rank0 and self.step >= r.steps:
+            summary["reward_after"] = self.manager.evaluate(self.eval_prompts)
+            summary.update(self._final_report())
+        self.close()
+        if self.is_rank0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        return summary
+
+    def _one_step(self, progress) -> None:
+        r = self.cfg.rl
+        t0 = time.time()
+        batch = None
+        if self.is_rank0:
+            self._submit_ahead()
+            batch = self.futures.pop(self.step).result()
+        batch = _broadcast_object(batch, src=0)
+        t_wait = time.time() - t0
+        step_version = self.version
+        t1 = time.time()
+        metrics = self.train_step(batch.samples)
+        t_train = time.time() - t1
+        t_sync = self._sync_weights()
+        if self.is_rank0:
+            if r.mode == "async":  # the next batches may start before this step's log is written
+                self._submit_ahead()
+            metrics.update(self._rollout_metrics(batch, step_version))
+            metrics.update({"time/rollout_wait": t_wait, "time/rollout_gen": batch.seconds, "time/train": t_train,
+                            "time/sync": t_sync, "time/step": time.time() - t0})
+            self._write_metrics(self.step, metrics, batch)
+            if progress is not None:
+                progress.update(1)
+                progress.write(
+                    f"[rl] step {self.step}/{r.steps} reward {metrics['rollout/reward']:.3f} "
+                    f"len {metrics['rollout/response_len']:.1f} H {metrics['policy/entropy']:.3f} "
+                    f"accept {metrics.get('spec/accept_rate', float('nan')):.3f} "
+                    f"tok/verify {metrics.get('spec/tokens_per_verify', float('nan')):.2f} "
+                    f"stale {metrics['rollout/staleness_mean']:.2f} "
+                    f"t(rollout wait/train/sync) {t_wait:.1f}/{t_train:.1f}/{t_sync:.1f}s")
+
+    def _rollout_metrics(self, batch, step_version: int) -> dict:
+        ss = batch.samples
+        rewards = [s.reward for s in ss]
+        stale = [step_version - s.weight_version for s in ss]
+        m = {"rollout/reward": float(np.mean(rewards)), "rollout/reward_std": float(np.std(rewards)),
+             "rollout/response_len": float(np.mean([len(s.response_ids) for s in ss])),
+             "rollout/truncated": float(np.mean([s.truncated for s in ss])),
+             "rollout/tokens_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
+             "rollout/staleness_mean": float(np.mean(stale)), "rollout/staleness_max": float(max(stale)),
+             "rollout/retries": float(batch.retries)}
+        verify = sum(s.verify_ct for s in ss)
+        if verify:
+            acc, prop = sum(s.accepted for s in ss), sum(s.proposed for s in ss)
+            m["spec/accept_rate"] = acc / max(prop, 1)
+            m["spec/tokens_per_verify"] = batch.generated_tokens / verify
+            reached = verify
+            for k in range(self.gamma):
+                at_k = sum(s.accepted_per_depth[k] for s in ss if len(s.accepted_per_depth) > k)
+                m[f"spec/accept_depth_{k + 1}"] = at_k / max(reached, 1)  # conditional on reaching depth k
+                reached = at_k
+        return m
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    def _truncate_metrics(self, step: int) -> None:
+        """After a resume, drop lines of steps the checkpoint does not contain (they are redone)."""
+        path = self._metrics_path()
+        if path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _write_metrics(self, step: int, metrics: dict, batch) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+        rec = {"step": step, "prompt_indices": batch.prompt_indices, **metrics}
+        with self._metrics_path().open("a") as f:
+            f.write(json.dumps(rec, default=float) + "\n")
+
+    def _save(self, summary: dict) -> None:
+        import pickle
+
+        self.state["summary"] = summary
+        save_checkpoint(self.out, self.step, self.ddp, self.opt, extra={
+            "step": self.step, "consumed_samples": self.step * self.cfg.rl.prompts_per_step * self.cfg.rl.group_size,
+            "phase": "rl", "scheduler": json.dumps(self.sched.state_dict()), "config": json.dumps(self.cfg.to_dict()),
+            "occ_coef": self.hook.occ_coef, "rng": pickle.dumps(self._rng_state()).hex(),
+            "rl_state": json.dumps(self.state, default=float)})
+
+    def read_metrics(self) -> list[dict]:
+        path = self._metrics_path()
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+    def _final_report(self) -> dict:
+        from bebop_megatron.rl.report import acceptance_vs_entropy, speculation_benchmark
+
+        out = {}
+        rows = self.read_metrics()
+        out.update(acceptance_vs_entropy(rows, self.out))
+        first = rows[0] if rows else {}
+        lastn = rows[-max(1, len(rows) // 5):]
+        out["train_reward_first_step"] = first.get("rollout/reward")
+        out["train_reward_last_steps"] = float(np.mean([x["rollout/reward"] for x in lastn])) if lastn else None
+        out["accept_rate_first_step"] = first.get("spec/accept_rate")
+        out["accept_rate_last_steps"] = float(np.mean([x.get("spec/accept_rate", 0) for x in lastn])) if lastn else None
+        out["tokens_per_verify_last_steps"] = float(np.mean([x.get("spec/tokens_per_verify", 0) for x in lastn])) \
+            if lastn else None
+        if self.cfg.rl.bench_speculation and self.gamma and self.last_buckets:
+            self._stop_servers()  # the benchmark gets the machine to itself
+            out["speculation_benchmark"] = speculation_benchmark(self.cfg, self.last_buckets, self.eval_prompts,
+                                                                 self.tok)
+        return out
+
+    def _stop_servers(self) -> None:
+        if self.manager is not None:
+            for f in self.futures.values():
+                f.cancel()
+            self.futures.clear()
+            self.manager.close()
+            self.manager = None
+        for s in self.servers:
+            s.stop()
+        self.servers = []
+
+    def close(self) -> None:
+        self._stop_servers()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def rl_train(cfg: Config) -> dict:
+    trainer = RLTrainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

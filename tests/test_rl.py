@@ -1,0 +1,202 @@
+"""RL trainer: batch layout, MTP strategies (what each one updates), Entrocraft on a toy policy."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import torch
+
+from bebop_megatron.rl.batch import prepare_batch
+from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
+from bebop_megatron.rl.grpo import group_advantages, policy_loss
+from bebop_megatron.rl.rollout import PromptSource, Prompt, Sample
+from tests.distributed import run_distributed
+
+
+def rl_tiny_config(strategy: str = "frozen", tp: int = 1):
+    from bebop_megatron.config import Config
+
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = 2, 32, 64
+    m.num_attention_heads, m.num_query_groups, m.kv_channels = 4, 2, 8
+    m.vocab_size, m.make_vocab_size_divisible_by = 64, 32
+    m.mtp_num_layers, m.tie_word_embeddings = 2, True
+    m.transformer_impl = "local"
+    cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.micro_batch_size = 4
+    cfg.data.seq_length = 32
+    r = cfg.rl
+    r.prompts_per_step, r.group_size, r.max_new_tokens = 2, 4, 8
+    r.mtp_strategy, r.lr, r.steps = strategy, 1e-2, 1
+    r.growmtp_topk = 4
+    cfg.train.progress = False
+    return cfg
+
+
+def fake_samples(seed: int, n_prompts: int = 2, group: int = 4, gamma: int = 2, topk: int = 4, vocab: int = 58):
+    """Rollout-like samples: random prompts/responses, mixed rewards, verify records."""
+    rng = random.Random(seed)
+    out = []
+    for p in range(n_prompts):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(4, 8))]
+        for g in range(group):
+            resp = [rng.randrange(2, vocab) for _ in range(rng.randint(3, 8))]
+            L0 = len(prompt)
+            recs = []
+            pos = L0 - 1
+            while pos < L0 + len(resp) - 2:
+                acc = rng.randint(0, gamma)
+                ids = [[rng.randrange(0, vocab) for _ in range(topk)] for _ in range(gamma)]
+                ids = [list(dict.fromkeys(row + list(range(topk))))[:topk] for row in ids]
+                probs = [[0.5 / topk] * topk for _ in range(gamma)]
+                recs.append({"pos": pos, "accepted": acc, "topk_ids": ids, "topk_probs": probs})
+                pos += acc + 1
+            out.append(Sample(p, prompt, resp, [-rng.uniform(0.5, 3.0) for _ in resp], float((p + g) % 2),
+                              False, 0, spec_records=recs, verify_ct=len(recs)))
+    return out
+
+
+# ----------------------------------------------------------------------------- batch
+
+
+def test_prepare_batch_aligns_response_tokens_and_logprobs():
+    ss = fake_samples(0)
+    b = prepare_batch(ss, 4, 32, gamma=2, record_topk=4)
+    for i, s in enumerate(ss):
+        full = s.prompt_ids + s.response_ids
+        p, n = len(s.prompt_ids), len(full) - 1
+        assert b.tokens[i, :n].tolist() == full[:-1] and b.labels[i, :n].tolist() == full[1:]
+        # loss exactly on the label positions holding response tokens
+        assert b.loss_mask[i].nonzero().flatten().tolist() == list(range(p - 1, n))
+        assert b.labels[i, p - 1 : n].tolist() == s.response_ids
+        assert torch.allclose(b.rollout_logp[i, p - 1 : n], torch.tensor(s.rollout_logprobs))
+        assert b.rec["rec_pos"][i, : len(s.spec_records)].tolist() == [r["pos"] for r in s.spec_records]
+    assert torch.allclose(b.advantages, group_advantages(b.rewards, 4))
+
+
+def test_dynamic_sampling_and_overlong_filter():
+    ss = fake_samples(1)
+    for s in ss[:4]:
+        s.reward = 1.0  # group 0: all equal -> no signal
+    ss[5].truncated = True
+    b = prepare_batch(ss, 4, 32, dynamic_sampling=True, overlong_filter=True)
+    assert b.keep.tolist() == [False] * 4 + [True, False, True, True]
+    mb = b.microbatches(0, 8, 4)
+    assert float(mb[0].loss_mask.sum()) == 0 and float(mb[1].loss_mask[1].sum()) == 0
+    assert b.num_loss_tokens() == int(mb[1].loss_mask.sum())
+
+
+def test_prompt_order_is_a_function_of_seed_and_step():
+    prompts = [Prompt(str(i), str(i)) for i in range(10)]
+    a, b = PromptSource(prompts, 3), PromptSource(prompts, 3)
+    seq = [a.indices_for_step(s, 4) for s in range(6)]
+    assert seq == [b.indices_for_step(s, 4) for s in range(6)]
+    flat = [i for row in seq for i in row]
+    assert sorted(flat[:10]) == list(range(10))  # an epoch visits every prompt once
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def _strategy_worker(rank, world, strategies):
+    """One GRPO step per strategy from the same initial weights on the same batch."""
+    from bebop_megatron.parallel import destroy_distributed
+    from bebop_megatron.rl.trainer import RLTrainer
+
+    results = {}
+    samples = fake_samples(7)
+    for strat in strategies:
+        cfg = rl_tiny_config(strat, tp=world)
+        tr = RLTrainer(cfg)
+        before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        m = tr.train_step(samples)
+        delta = {n: (p.detach() - before[n]) for n, p in tr.model.named_parameters()}
+        results[strat] = {
+            "mtp_changed": max(float(d.abs().max()) for n, d in delta.items() if n.startswith("mtp.")),
+            "trunk_changed": max(float(d.abs().max()) for n, d in delta.items() if not n.startswith("mtp.")),
+            # numpy: torch tensors would travel back through shared memory the exiting worker frees
+            "trunk_delta": {n: d.numpy() for n, d in delta.items() if not n.startswith("mtp.")},
+            "metrics": m,
+        }
+        tr.close()
+        destroy_distributed()
+    if rank != 0:
+        return None
+    return results
+
+
+def _assert_strategies(res):
+    none_trunk = res["none"]["trunk_delta"]
+    for strat, r in res.items():
+        assert r["trunk_changed"] > 0, strat  # the policy always trains
+        assert math.isfinite(r["metrics"]["loss/pg"])
+    assert res["frozen"]["mtp_changed"] == 0.0
+    assert res["none"]["mtp_changed"] == 0.0
+    for strat in ("online", "growmtp", "occ"):
+        assert res[strat]["mtp_changed"] > 0, strat
+    # online / growmtp: the MTP loss is detached from the trunk -> the trunk update equals plain GRPO's
+    for strat in ("frozen", "online", "growmtp"):
+        for n, d in res[strat]["trunk_delta"].items():
+            assert np.allclose(d, none_trunk[n], atol=1e-7, rtol=0), (strat, n)
+    # occ: the MTP policy loss reaches the trunk
+    diff = max(float(np.abs(res["occ"]["trunk_delta"][n] - none_trunk[n]).max()) for n in none_trunk)
+    assert diff > 1e-6
+    assert res["growmtp"]["metrics"]["growmtp/positions"] > 0
+    assert "occ/coef" in res["occ"]["metrics"]
+    assert "mtp_online/loss" in res["online"]["metrics"]
+
+
+def test_strategies_update_only_what_they_should():
+    res = run_distributed(_strategy_worker, 1, ["none", "frozen", "online", "growmtp", "occ"])[0]
+    _assert_strategies(res)
+
+
+def test_strategies_tp2():
+    res = run_distributed(_strategy_worker, 2, ["none", "growmtp", "occ"])[0]
+    assert res["growmtp"]["mtp_changed"] > 0 and res["occ"]["mtp_changed"] > 0
+    for n, d in res["growmtp"]["trunk_delta"].items():
+        assert np.allclose(d, res["none"]["trunk_delta"][n], atol=1e-7, rtol=0), n
+
+
+# ----------------------------------------------------------------------------- Entrocraft
+
+
+def _toy_run(controller, steps=500, T=6, K=8, G=8, P=16, lr=12.0, seed=0):
+    """A toy "LLM": P prompts, responses of T tokens, each position a free softmax over K tokens.
+    The reward is sequence-level (1 when at least 3 of the T tokens are token 0) and every token
+    of a response shares its advantage - as in GRPO on an LLM, failed responses are mostly made of
+    likely tokens, so positive-only updates sharpen and negative-only updates flatten. Plain GRPO
+    drives the token entropy down; Entrocraft should hold it inside its band."""
+    torch.manual_seed(seed)
+    logits = torch.zeros(P, T, K, requires_grad=True)
+    opt = torch.optim.SGD([logits], lr=lr)  # no momentum: a dropped sample stops moving the policy
+    ents = []
+    for step in range(steps):
+        probs = torch.softmax(logits, -1)
+        H = float(-(probs * probs.clamp_min(1e-12).log()).sum(-1).mean().detach())
+        ents.append(H)
+        acts = torch.multinomial(probs.detach().repeat_interleave(G, 0).reshape(-1, K), 1).view(P * G, T)
+        rewards = ((acts == 0).sum(-1) >= 3).float()
+        adv = group_advantages(rewards, G)
+        keep = torch.ones_like(adv, dtype=torch.bool)
+        if controller is not None:
+            keep, _ = controller.keep(step, H, adv)
+        logp = torch.log_softmax(logits, -1).repeat_interleave(G, 0).gather(-1, acts[..., None]).squeeze(-1)
+        out = policy_loss(logp, logp.detach(), adv, keep[:, None].float().expand(-1, T))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return ents
+
+
+def test_entrocraft_keeps_entropy_in_band_on_toy_policy():
+    cfg = EntrocraftConfig(low_start=1.0, low_end=0.8, high_start=1.3, high_end=1.1, anneal_steps=200)
+    ctl = EntrocraftController(cfg)
+    plain, ents = _toy_run(None), _toy_run(ctl)
+    for step in range(200, len(ents)):  # after the approach, inside the (annealed) band, with slack
+        low, high = ctl.band(step)
+        assert low - 0.1 <= ents[step] <= high + 0.2, (step, ents[step], low, high)
+    assert plain[-1] < cfg.low_end - 0.05  # without control the entropy falls through the band
