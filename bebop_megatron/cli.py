@@ -61,7 +61,9 @@ def _rl(args) -> int:
                   f"Output: {cfg.rl.output_dir}")
             return 0
         print(f"\nRL done: {s['step']} steps, mtp_strategy={cfg.rl.mtp_strategy}, mode={cfg.rl.mode}.")
-        print(f"  held-out reward: {s.get('reward_before', float('nan')):.3f} -> {s.get('reward_after', float('nan')):.3f}")
+        print(f"  held-out reward: {s.get('reward_before', float('nan')):.3f} -> {s.get('reward_after', float('nan')):.3f} "
+              f"(exact answers {s.get('exact_before', float('nan')):.3f} -> {s.get('exact_after', float('nan')):.3f}, "
+              f"{cfg.rl.eval_prompts} prompts)")
         if s.get("train_reward_first_step") is not None:
             print(f"  training reward: {s['train_reward_first_step']:.3f} (first step) -> "
                   f"{s['train_reward_last_steps']:.3f} (mean of the last steps)")

@@ -27,7 +27,7 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 DTYPES = ("float32", "bfloat16", "float16")
 MTP_STRATEGIES = ("frozen", "online", "growmtp", "occ", "none")
-REWARDS = ("synthetic", "math", "code")
+REWARDS = ("synthetic", "synthetic_partial", "math", "code")
 
 
 @dataclass
@@ -59,6 +59,7 @@ class ModelConfig:
     fp8_margin: int = 0
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"
+    fp8_mtp: bool = False  # False: MTP layers run in bf16 outside FP8 (acceptance is sensitive to them)
 
     def __post_init__(self) -> None:
         if self.qk_layernorm is None:
@@ -143,7 +144,7 @@ class RLConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list = field(default_factory=list)  # stop strings (besides EOS)
-    reward: str = "synthetic"  # synthetic | math | code
+    reward: str = "synthetic"  # synthetic (exact) | synthetic_partial (dense) | math | code
     prompts_path: Optional[str] = None  # JSONL {"prompt", "answer"} (math/synthetic) or {"prompt", "tests"} (code)
     task: str = "mixed"  # synthetic task family when prompts_path is None
     eval_prompts: int = 64  # held-out prompts scored before and after RL
@@ -186,6 +187,31 @@ class RLConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """Cluster layout for launch/slurm.py and launch/torchrun.sh (ignored by single-process runs)."""
+
+    gpus_per_node: int = 8
+    trainer_nodes: int = 1  # Megatron TP/PP/DP over NCCL across these nodes
+    rollout_nodes: int = 0  # 0: rollout servers share the trainer node(s) (rollout_gpus of them)
+    rollout_gpus: int = 4  # single node (rollout_nodes 0): GPUs for rollout servers, the trainer gets the rest
+    rollout_tp: int = 1  # GPUs per SGLang server
+    rollout_engine: str = "sglang"  # sglang | bebop (the embedded engine)
+    rollout_port: int = 30000
+    rollout_mem_fraction: float = 0.85
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: str = "24:00:00"
+    job_name: str = "bebop-rl"
+    log_dir: str = "logs"
+    master_port: int = 29500
+    container: Optional[str] = None  # a srun --container-image, e.g. an NGC PyTorch image with SGLang
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.trainer_nodes * self.gpus_per_node - (self.rollout_gpus if self.rollout_nodes == 0 else 0)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -193,6 +219,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -224,10 +251,7 @@ class Config:
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        raw = load_yaml_with_base(path)
         apply_overrides(raw, overrides or [])
         cfg = cls.from_dict(raw)
         cfg.validate()
@@ -281,6 +305,11 @@ class Config:
             errors.append(f"model.fp8 must be one of {FP8_FORMATS}, got {m.fp8!r}")
         if m.fp8_recipe not in FP8_RECIPES:
             errors.append(f"model.fp8_recipe must be one of {FP8_RECIPES}, got {m.fp8_recipe!r}")
+        if m.fp8 and m.transformer_impl == "local":
+            errors.append("model.fp8 needs Transformer Engine: set model.transformer_impl to auto or "
+                          "transformer_engine (or model.fp8=null)")
+        if m.fp8 and m.params_dtype != "bfloat16":
+            errors.append("model.fp8 runs with bf16 parameters: set model.params_dtype=bfloat16")
         if m.transformer_impl not in TRANSFORMER_IMPLS:
             errors.append(f"model.transformer_impl must be one of {TRANSFORMER_IMPLS}")
         if m.params_dtype not in DTYPES:
@@ -301,9 +330,35 @@ class Config:
         if t.steps < 0 or t.lr <= 0:
             errors.append("train.steps must be >= 0 and train.lr > 0")
         errors += self._validate_rl(world_size)
+        errors += self._validate_launch()
         if errors:
             raise ConfigError("; ".join(errors))
 
+
+    def _validate_launch(self) -> list[str]:
+        ln, p = self.launch, self.parallel
+        errors = []
+        if ln.rollout_engine not in ("sglang", "bebop"):
+            errors.append(f"launch.rollout_engine must be sglang or bebop, got {ln.rollout_engine!r}")
+        if ln.gpus_per_node < 1 or ln.trainer_nodes < 1 or ln.rollout_nodes < 0 or ln.rollout_tp < 1:
+            errors.append("launch: gpus_per_node, trainer_nodes, rollout_tp must be >= 1, rollout_nodes >= 0")
+            return errors
+        if ln.gpus_per_node % ln.rollout_tp:
+            errors.append(f"launch.rollout_tp {ln.rollout_tp} does not divide gpus_per_node {ln.gpus_per_node}")
+        if ln.rollout_nodes == 0:
+            if not (0 < ln.rollout_gpus < ln.gpus_per_node) or ln.trainer_nodes != 1:
+                errors.append("launch: without rollout_nodes, rollout servers share one trainer node: set "
+                              "trainer_nodes=1 and 0 < rollout_gpus < gpus_per_node")
+            elif ln.rollout_gpus % ln.rollout_tp:
+                errors.append(f"launch.rollout_gpus {ln.rollout_gpus} not divisible by rollout_tp {ln.rollout_tp}")
+        trainer_gpus = ln.trainer_world_size
+        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if trainer_gpus > 0 and trainer_gpus % mp:
+            errors.append(f"launch: {trainer_gpus} trainer GPUs not divisible by TP*PP = {mp}")
+        if p.tensor_model_parallel_size > ln.gpus_per_node:
+            errors.append(f"TP {p.tensor_model_parallel_size} exceeds gpus_per_node {ln.gpus_per_node} "
+                          f"(TP must stay inside a node's NVLink domain)")
+        return errors
 
     def _validate_rl(self, world_size: Optional[int]) -> list[str]:
         r, p = self.rl, self.parallel
@@ -351,6 +406,34 @@ class Config:
             errors.append(f"rl.prompts_per_step*rl.group_size = {samples} samples per step not divisible by "
                           f"micro_batch_size*DP = {p.micro_batch_size}*{dp}")
         return errors
+
+
+def load_yaml_with_base(path: Path, _seen: Optional[set] = None) -> dict[str, Any]:
+    """A YAML config; ``base: other.yaml`` (relative to this file) is loaded first and this file's
+    sections are merged over it key by key (presets: same model, another cluster layout)."""
+    path = Path(path).resolve()
+    seen = _seen or set()
+    if path in seen:
+        raise ConfigError(f"config base cycle through {path}")
+    seen.add(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a config must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    merged = load_yaml_with_base(path.parent / base, seen)
+    for section, values in raw.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **values}
+        else:
+            merged[section] = values
+    return merged
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:

@@ -14,7 +14,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     cfg = Config.load(path)
-    world = 1 if path.name == "tiny_cpu.yaml" else 8  # the presets are for one 8-GPU node
+    world = 1 if path.name == "tiny_cpu.yaml" else cfg.launch.trainer_world_size  # the preset's trainer ranks
     cfg.validate(world_size=world)
     assert cfg.model.mtp_num_layers >= 1
 
@@ -80,9 +80,41 @@ def test_fp8_without_transformer_engine_is_a_clear_error():
 
     if transformer_engine_available():
         pytest.skip("Transformer Engine is installed here")
-    cfg = Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["model.fp8=hybrid"])
+    cfg = Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["model.fp8=hybrid", "model.transformer_impl=auto",
+                                                              "model.params_dtype=bfloat16"])
     with pytest.raises(MissingOptionalDependency, match="Transformer Engine"):
         use_transformer_engine(cfg.model)
+    with pytest.raises(ConfigError, match="model.fp8 needs Transformer Engine"):
+        Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["model.fp8=e4m3", "model.params_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="fp8_recipe must be one of"):
+        Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["model.fp8_recipe=fp4"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["launch.rollout_tp=3"], "rollout_tp 3 does not divide gpus_per_node 8"),
+    (["launch.trainer_nodes=2"], "rollout servers share one trainer node"),
+    (["launch.rollout_nodes=1", "launch.trainer_nodes=1", "parallel.tensor_model_parallel_size=16"],
+     "exceeds gpus_per_node"),
+    (["launch.rollout_gpus=5"], "3 trainer GPUs not divisible by TP\\*PP = 4"),
+    (["rl.group_size=1"], "group_size must be >= 2"),
+    (["rl.mtp_strategy=greedy"], "rl.mtp_strategy must be one of"),
+    (["rl.prompts_per_step=3", "rl.group_size=3"], "9 samples per step not divisible by micro_batch_size"),
+    (["model.num_attention_heads=30"], "not divisible by TP 4"),
+])
+def test_bad_cluster_configs_are_clear_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg = Config.load(CONFIGS[0].parent / "qwen3_8b.yaml", overrides)
+        cfg.validate(world_size=cfg.launch.trainer_world_size)
+
+
+def test_config_base_inheritance(tmp_path):
+    (tmp_path / "a.yaml").write_text("model: {num_layers: 4, hidden_size: 64}\ntrain: {lr: 0.5}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nmodel: {num_layers: 6}\n")
+    cfg = Config.load(tmp_path / "b.yaml")
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.train.lr) == (6, 64, 0.5)
+    (tmp_path / "c.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        Config.load(tmp_path / "c.yaml")
 
 
 def test_jsonl_errors_name_file_and_line(tmp_path):

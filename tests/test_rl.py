@@ -68,12 +68,13 @@ def test_prepare_batch_aligns_response_tokens_and_logprobs():
     for i, s in enumerate(ss):
         full = s.prompt_ids + s.response_ids
         p, n = len(s.prompt_ids), len(full) - 1
-        assert b.tokens[i, :n].tolist() == full[:-1] and b.labels[i, :n].tolist() == full[1:]
+        assert b.tokens[i, : n + 1].tolist() == full and b.labels[i, :n].tolist() == full[1:]
         # loss exactly on the label positions holding response tokens
         assert b.loss_mask[i].nonzero().flatten().tolist() == list(range(p - 1, n))
         assert b.labels[i, p - 1 : n].tolist() == s.response_ids
         assert torch.allclose(b.rollout_logp[i, p - 1 : n], torch.tensor(s.rollout_logprobs))
-        assert b.rec["rec_pos"][i, : len(s.spec_records)].tolist() == [r["pos"] for r in s.spec_records]
+        kept = [r["pos"] for r in s.spec_records if r["pos"] + min(r["accepted"] + 1, 2) < n + 1]
+        assert [x for x in b.rec["rec_pos"][i].tolist() if x >= 0] == kept
     assert torch.allclose(b.advantages, group_advantages(b.rewards, 4))
 
 

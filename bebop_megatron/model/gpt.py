@@ -54,9 +54,12 @@ class BebopGPTModel(GPTModel):
         mtp_loss: str = "e2e_tv",
         mtp_detach_trunk: bool = True,
         true_vocab_size: Optional[int] = None,
+        fp8_mtp: bool = True,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if self.mtp_process and self.config.fp8 and not fp8_mtp:
+            self._rebuild_mtp_without_fp8(kwargs.get("vp_stage"))
         self.mtp_loss_type = mtp_loss
         self.mtp_detach_trunk = mtp_detach_trunk
         self.true_vocab_size = true_vocab_size
@@ -74,6 +77,18 @@ class BebopGPTModel(GPTModel):
             # tied head uses that stage's embedding copy (shared_embedding_or_output_weight), and
             # its own sharded_state_dict asserts the weight is absent: drop the dead parameter.
             self.output_layer.weight = None
+
+    def _rebuild_mtp_without_fp8(self, vp_stage) -> None:
+        """Keep the MTP layers in bf16 under an FP8 trunk: megatron-core 0.16.1 runs them in the
+        global FP8 context whenever ``config.fp8`` is set, and FP8 noise in the draft heads costs
+        acceptance. The block is rebuilt from a config copy with FP8 off (its own fp8 checks then
+        give a null context; the trunk keeps FP8)."""
+        import dataclasses
+
+        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+        bf16_config = dataclasses.replace(self.config, fp8=None)
+        self.mtp = MultiTokenPredictionBlock(config=bf16_config, spec=self.mtp_block_spec, vp_stage=vp_stage)
 
     # ------------------------------------------------------------------ helpers
     def _no_grad_embedding(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
@@ -273,6 +288,7 @@ def build_model(cfg: Config, platform: Platform, initialize: bool = True) -> Beb
         mtp_loss=cfg.mtp.loss,
         mtp_detach_trunk=cfg.mtp.detach_trunk,
         true_vocab_size=m.vocab_size,
+        fp8_mtp=m.fp8_mtp,
     )
     if not initialize:
         from bebop_megatron.model.tp_layout import ensure_tp_attributes

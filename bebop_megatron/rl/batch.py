@@ -1,9 +1,10 @@
 """Rollout samples -> trainer tensors: advantages, keep masks and fixed-length micro-batches.
 
-Sequence layout (one sample): ``full = prompt + response``; ``tokens = full[:-1]``,
-``labels = full[1:]`` padded to ``seq_length``; the loss covers the label positions that hold
-response tokens, ``[len(prompt) - 1, len(full) - 1)``, where the rollout engine's log-probs are
-placed too. GrowMTP verify records keep their absolute position ``t`` (same in tokens coordinates).
+Sequence layout (one sample): ``full = prompt + response``; ``tokens = full`` and
+``labels = full[1:]`` padded to ``seq_length`` (the last token stays in ``tokens``: megatron's MTP
+layers read the tokens after each position from there); the loss covers the label positions that
+hold response tokens, ``[len(prompt) - 1, len(full) - 1)``, where the rollout engine's log-probs
+are placed too. GrowMTP verify records keep their absolute position ``t``.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def prepare_batch(samples: list[Sample], group_size: int, seq_length: int, norma
         if len(full) - 1 > S:
             raise ValueError(f"sample of {len(full)} tokens does not fit seq_length {S}")
         n = len(full) - 1
-        tokens[i, :n] = torch.tensor(full[:-1])
+        tokens[i, : min(n + 1, S)] = torch.tensor(full[: min(n + 1, S)])
         labels[i, :n] = torch.tensor(full[1:])
         p = len(s.prompt_ids)
         mask[i, p - 1 : n] = 1.0
@@ -86,8 +87,10 @@ def prepare_batch(samples: list[Sample], group_size: int, seq_length: int, norma
         rec_ids = torch.zeros(N, R, gamma, record_topk, dtype=torch.long)
         rec_probs = torch.zeros(N, R, gamma, record_topk)
         for i, s in enumerate(samples):
+            n_tok = min(len(s.prompt_ids) + len(s.response_ids), S)
             for j, r in enumerate(s.spec_records):
-                if not (0 <= r["pos"] < S):
+                # the gated depths read tokens up to t + min(accepted + 1, γ): all must be in the sequence
+                if not (0 <= r["pos"] and r["pos"] + min(r["accepted"] + 1, gamma) < n_tok):
                     continue
                 ids, probs = torch.tensor(r["topk_ids"]), torch.tensor(r["topk_probs"], dtype=torch.float32)
                 k = min(ids.shape[-1], record_topk)

@@ -125,9 +125,10 @@ def build_prompts(cfg, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
 
 
 def reward_fn(kind: str) -> Callable[[str, Any], float]:
-    from bebop_megatron.rl.rewards import code_reward, math_reward, synthetic_reward
+    from bebop_megatron.rl.rewards import code_reward, math_reward, synthetic_partial_reward, synthetic_reward
 
-    return {"synthetic": synthetic_reward, "math": math_reward, "code": code_reward}[kind]
+    return {"synthetic": synthetic_reward, "synthetic_partial": synthetic_partial_reward, "math": math_reward,
+            "code": code_reward}[kind]
 
 
 # ---------------------------------------------------------------------------- manager
@@ -170,12 +171,15 @@ class RolloutManager:
         idx = self.source.indices_for_step(step, self.cfg.rl.prompts_per_step)
         return asyncio.run_coroutine_threadsafe(self._batch(step, idx, self.prompts, train=True), self.loop)
 
-    def evaluate(self, prompts: list[Prompt], seed: int = 0) -> float:
-        """Mean reward of one sample per held-out prompt at the training temperature."""
+    def evaluate(self, prompts: list[Prompt], seed: int = 0) -> dict:
+        """Mean reward and exact-answer rate of one sample per held-out prompt at the training
+        temperature."""
         if not prompts:
-            return float("nan")
+            return {"reward": float("nan"), "exact": float("nan")}
         batch = self._call(self._batch(-1 - seed, list(range(len(prompts))), prompts, train=False))
-        return sum(s.reward for s in batch.samples) / len(batch.samples)
+        n = len(batch.samples)
+        return {"reward": sum(s.reward for s in batch.samples) / n,
+                "exact": sum(s.reward >= 1.0 for s in batch.samples) / n}
 
     def _payload(self, ids: list[int], seed: int) -> dict:
         r = self.cfg.rl

@@ -435,8 +435,9 @@ class RLTrainer:
             self.writer = SummaryWriter(str(self.out / "tensorboard"))
             self._truncate_metrics(self.step)
             if "reward_before" not in summary:
-                summary["reward_before"] = self.manager.evaluate(self.eval_prompts)
-                self._log(f"held-out reward before RL: {summary['reward_before']:.3f} "
+                ev = self.manager.evaluate(self.eval_prompts)
+                summary["reward_before"], summary["exact_before"] = ev["reward"], ev["exact"]
+                self._log(f"held-out reward before RL: {ev['reward']:.3f}, exact answers {ev['exact']:.3f} "
                           f"({len(self.eval_prompts)} prompts)")
         start = self.step
         exit_at = start + r.exit_interval if r.exit_interval > 0 else None
@@ -456,7 +457,8 @@ class RLTrainer:
         summary["step"] = self.step
         summary["exited_early"] = self.step < r.steps
         if self.is_rank0 and self.step >= r.steps:
-            summary["reward_after"] = self.manager.evaluate(self.eval_prompts)
+            ev = self.manager.evaluate(self.eval_prompts)
+            summary["reward_after"], summary["exact_after"] = ev["reward"], ev["exact"]
             summary.update(self._final_report())
         self.close()
         if self.is_rank0:

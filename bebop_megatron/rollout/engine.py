@@ -295,6 +295,10 @@ class Engine:
         for i, r in enumerate(reqs):
             m = int(num_acc[i])
             emitted = drafts[i, :m].tolist() + [int(nxt[i])]
+            before = len(r.tokens)
+            self._commit(r, emitted, [logits[i, j] for j in range(m + 1)])
+            # drafts past a stop token or the length limit are discarded, not accepted
+            m = min(m, len(r.tokens) - before)
             if r.spec_record_topk:
                 k = min(r.spec_record_topk, p.shape[-1])
                 top = p[i, :g].topk(k, dim=-1)
@@ -308,8 +312,6 @@ class Engine:
             self.total_verify_ct += 1
             self.total_proposed_drafts += g
             self.total_accepted_drafts += m
-            before = len(r.tokens)
-            self._commit(r, emitted, [logits[i, j] for j in range(m + 1)])
             self._check_done(r)
             if not r.finished:
                 hid.append(mtp_in[i, : len(r.tokens) - before])
