@@ -19,8 +19,10 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
+# SFT warm-up + e2e-TV MTP heads (train-mtp), then async GRPO with speculative rollouts (rl)
 run: $(STAMP)
 	$(BIN)/bebop train-mtp --config configs/tiny_cpu.yaml
+	$(BIN)/bebop rl --config configs/tiny_cpu.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

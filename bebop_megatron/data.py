@@ -63,8 +63,14 @@ def load_tokenizer(spec: str):
 
 
 def synthetic_problem(rng: random.Random, task: str = "mixed") -> tuple[str, str]:
-    """One verifiable (prompt, answer) pair: arithmetic, sorting or counting."""
-    kind = rng.choice(["arithmetic", "sorting", "counting"]) if task == "mixed" else task
+    """One verifiable (prompt, answer) pair: arithmetic, sorting or counting (``task``: one of them,
+    ``mixed`` for all three, or a comma list such as ``counting,sorting``)."""
+    if task == "mixed":
+        kind = rng.choice(["arithmetic", "sorting", "counting"])
+    elif "," in task:
+        kind = rng.choice([k.strip() for k in task.split(",")])
+    else:
+        kind = task
     if kind == "arithmetic":
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         op = rng.choice("+-*")

@@ -1,4 +1,5 @@
-"""RL trainer: batch layout, MTP strategies (what each one updates), Entrocraft on a toy policy."""
+"""RL trainer: batch layout, prompt order, MTP strategies (what each one updates).
+(Entrocraft on a toy policy: tests/test_rl_objectives.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import numpy as np
 import torch
 
 from bebop_megatron.rl.batch import prepare_batch
-from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
-from bebop_megatron.rl.grpo import group_advantages, policy_loss
+from bebop_megatron.rl.grpo import group_advantages
 from bebop_megatron.rl.rollout import PromptSource, Prompt, Sample
 from tests.distributed import run_distributed
 
@@ -160,44 +160,3 @@ def test_strategies_tp2():
     assert res["growmtp"]["mtp_changed"] > 0 and res["occ"]["mtp_changed"] > 0
     for n, d in res["growmtp"]["trunk_delta"].items():
         assert np.allclose(d, res["none"]["trunk_delta"][n], atol=1e-7, rtol=0), n
-
-
-# ----------------------------------------------------------------------------- Entrocraft
-
-
-def _toy_run(controller, steps=500, T=6, K=8, G=8, P=16, lr=12.0, seed=0):
-    """A toy "LLM": P prompts, responses of T tokens, each position a free softmax over K tokens.
-    The reward is sequence-level (1 when at least 3 of the T tokens are token 0) and every token
-    of a response shares its advantage - as in GRPO on an LLM, failed responses are mostly made of
-    likely tokens, so positive-only updates sharpen and negative-only updates flatten. Plain GRPO
-    drives the token entropy down; Entrocraft should hold it inside its band."""
-    torch.manual_seed(seed)
-    logits = torch.zeros(P, T, K, requires_grad=True)
-    opt = torch.optim.SGD([logits], lr=lr)  # no momentum: a dropped sample stops moving the policy
-    ents = []
-    for step in range(steps):
-        probs = torch.softmax(logits, -1)
-        H = float(-(probs * probs.clamp_min(1e-12).log()).sum(-1).mean().detach())
-        ents.append(H)
-        acts = torch.multinomial(probs.detach().repeat_interleave(G, 0).reshape(-1, K), 1).view(P * G, T)
-        rewards = ((acts == 0).sum(-1) >= 3).float()
-        adv = group_advantages(rewards, G)
-        keep = torch.ones_like(adv, dtype=torch.bool)
-        if controller is not None:
-            keep, _ = controller.keep(step, H, adv)
-        logp = torch.log_softmax(logits, -1).repeat_interleave(G, 0).gather(-1, acts[..., None]).squeeze(-1)
-        out = policy_loss(logp, logp.detach(), adv, keep[:, None].float().expand(-1, T))
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return ents
-
-
-def test_entrocraft_keeps_entropy_in_band_on_toy_policy():
-    cfg = EntrocraftConfig(low_start=1.0, low_end=0.8, high_start=1.3, high_end=1.1, anneal_steps=200)
-    ctl = EntrocraftController(cfg)
-    plain, ents = _toy_run(None), _toy_run(ctl)
-    for step in range(200, len(ents)):  # after the approach, inside the (annealed) band, with slack
-        low, high = ctl.band(step)
-        assert low - 0.1 <= ents[step] <= high + 0.2, (step, ents[step], low, high)
-    assert plain[-1] < cfg.low_end - 0.05  # without control the entropy falls through the band
