@@ -99,16 +99,9 @@ def synthetic_documents(n: int, seed: int, task: str = "mixed") -> list[str]:
 # --------------------------------------------------------------------------- JSONL
 
 
-def load_jsonl_tokens(path: str | Path, tokenizer, text_key: str = "text", vocab_size: Optional[int] = None) -> list[list[int]]:
-    """Each line: ``{"input_ids": [...]}`` or ``{text_key: "..."}``. EOS is appended per document."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file not found: {path}")
-    docs: list[list[int]] = []
-    eos = getattr(tokenizer, "eos_id", None)
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    with path.open() as f:
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; DataError naming file and line otherwise."""
+    with Path(path).open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -118,24 +111,37 @@ def load_jsonl_tokens(path: str | Path, tokenizer, text_key: str = "text", vocab
                 raise DataError(f"{path}:{lineno}: invalid JSON: {e}") from e
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected an object")
-            if "input_ids" in rec:
-                ids = rec["input_ids"]
-                if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                    raise DataError(f"{path}:{lineno}: input_ids must be a list of non-negative ints")
-            elif text_key in rec:
-                if not isinstance(rec[text_key], str):
-                    raise DataError(f"{path}:{lineno}: '{text_key}' must be a string")
-                try:
-                    ids = list(tokenizer.encode(rec[text_key]))
-                except DataError as e:
-                    raise DataError(f"{path}:{lineno}: {e}") from e
-            else:
-                raise DataError(f"{path}:{lineno}: needs 'input_ids' or '{text_key}'")
-            if vocab_size is not None and ids and max(ids) >= vocab_size:
-                raise DataError(f"{path}:{lineno}: token id {max(ids)} >= vocab_size {vocab_size}")
-            if eos is not None:
-                ids = ids + [eos]
-            docs.append(ids)
+            yield lineno, rec
+
+
+def load_jsonl_tokens(path: str | Path, tokenizer, text_key: str = "text", vocab_size: Optional[int] = None) -> list[list[int]]:
+    """Each line: ``{"input_ids": [...]}`` or ``{text_key: "..."}``. EOS is appended per document."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file not found: {path}")
+    docs: list[list[int]] = []
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    for lineno, rec in iter_jsonl(path):
+        if "input_ids" in rec:
+            ids = rec["input_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise DataError(f"{path}:{lineno}: input_ids must be a list of non-negative ints")
+        elif text_key in rec:
+            if not isinstance(rec[text_key], str):
+                raise DataError(f"{path}:{lineno}: '{text_key}' must be a string")
+            try:
+                ids = list(tokenizer.encode(rec[text_key]))
+            except DataError as e:
+                raise DataError(f"{path}:{lineno}: {e}") from e
+        else:
+            raise DataError(f"{path}:{lineno}: needs 'input_ids' or '{text_key}'")
+        if vocab_size is not None and ids and max(ids) >= vocab_size:
+            raise DataError(f"{path}:{lineno}: token id {max(ids)} >= vocab_size {vocab_size}")
+        if eos is not None:
+            ids = ids + [eos]
+        docs.append(ids)
     if not docs:
         raise DataError(f"{path}: no documents")
     return docs

@@ -156,7 +156,10 @@ def test_strategies_update_only_what_they_should():
 
 
 def test_strategies_tp2():
-    res = run_distributed(_strategy_worker, 2, ["none", "growmtp", "occ"])[0]
+    # one process group per strategy (re-initialising gloo twice in a row on one port can stall)
+    res = {}
+    for strat in ("none", "growmtp", "occ"):
+        res.update(run_distributed(_strategy_worker, 2, [strat])[0])
     assert res["growmtp"]["mtp_changed"] > 0 and res["occ"]["mtp_changed"] > 0
     for n, d in res["growmtp"]["trunk_delta"].items():
         assert np.allclose(d, res["none"]["trunk_delta"][n], atol=1e-7, rtol=0), n

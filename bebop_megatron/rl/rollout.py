@@ -11,7 +11,6 @@ Every sample records the weight version that produced it and its speculative cou
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import threading
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from bebop_megatron.data import DataError
+from bebop_megatron.data import DataError, iter_jsonl
 from bebop_megatron.rollout.bridge import RolloutBridge, RolloutError
 
 log = logging.getLogger("bebop.rl.rollout")
@@ -73,14 +72,8 @@ def load_prompts(path: str | Path, reward: str) -> list[Prompt]:
         raise DataError(f"prompt file not found: {path}")
     key = "tests" if reward == "code" else "answer"
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON: {e}") from e
-        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or key not in rec:
+    for lineno, rec in iter_jsonl(path):
+        if not isinstance(rec.get("prompt"), str) or key not in rec:
             raise DataError(f"{path}:{lineno}: needs a string 'prompt' and '{key}'")
         out.append(Prompt(rec["prompt"], rec[key]))
     if not out:

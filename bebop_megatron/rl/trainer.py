@@ -153,17 +153,9 @@ STAT_NAMES = ("pg_loss", "tokens", "clip_frac", "approx_kl", "kl_ref", "entropy"
 
 def run_schedule(model_chunks, hook: RLForward, microbatches: list[RLMicroBatch], seq_length: int, loss_fn,
                  forward_only: bool) -> list[dict]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from bebop_megatron.training.step import run_schedule as schedule
 
-    return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, hook, loss_fn),
-        data_iterator=iter(microbatches),
-        model=model_chunks,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=microbatches[0].tokens.shape[0],
-        forward_only=forward_only,
-    )
+    return schedule(partial(_forward_step, hook, loss_fn), model_chunks, microbatches, seq_length, forward_only)
 
 
 # --------------------------------------------------------------------------- trainer

@@ -30,7 +30,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 class LocalServer:
     def __init__(self, model_path: str | Path, extra_args: Sequence[str] = (), log_dir: Optional[Path] = None,
-                 threads: int = 1, api_key: Optional[str] = None):
+                 threads: Optional[int] = 1, api_key: Optional[str] = None):
         self.model_path = Path(model_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,7 +41,9 @@ class LocalServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads (None: torch's default)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 

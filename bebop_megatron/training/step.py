@@ -26,21 +26,13 @@ def forward_step(data_iterator: Iterator[Batch], model):
     return output, partial(loss_func, b["loss_mask"])
 
 
-def train_iteration(model_chunks, optimizer, microbatches: list[Batch], seq_length: int, forward_only: bool = False):
-    """Forward/backward over the micro-batches, then one optimizer step.
-
-    Returns (lm_loss_sum, lm_token_count, grad_norm, update_successful); the loss numbers are
-    only meaningful on the last pipeline stage.
-    """
+def run_schedule(forward_step_func, model_chunks, microbatches: list, seq_length: int, forward_only: bool) -> list:
+    """megatron-core's forward/backward schedule for this PP layout over the given micro-batches;
+    returns the last stage's loss-function outputs (empty elsewhere)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    for chunk in model_chunks:
-        if hasattr(chunk, "zero_grad_buffer"):
-            chunk.zero_grad_buffer()
-    if optimizer is not None:
-        optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
         data_iterator=iter(microbatches),
         model=model_chunks,
         num_microbatches=len(microbatches),
@@ -48,6 +40,20 @@ def train_iteration(model_chunks, optimizer, microbatches: list[Batch], seq_leng
         micro_batch_size=microbatches[0].tokens.shape[0],
         forward_only=forward_only,
     )
+
+
+def train_iteration(model_chunks, optimizer, microbatches: list[Batch], seq_length: int, forward_only: bool = False):
+    """Forward/backward over the micro-batches, then one optimizer step.
+
+    Returns (lm_loss_sum, lm_token_count, grad_norm, update_successful); the loss numbers are
+    only meaningful on the last pipeline stage.
+    """
+    for chunk in model_chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+    if optimizer is not None:
+        optimizer.zero_grad()
+    losses = run_schedule(forward_step, model_chunks, microbatches, seq_length, forward_only)
     grad_norm, ok = None, True
     if not forward_only and optimizer is not None:
         ok, grad_norm, _ = optimizer.step()
