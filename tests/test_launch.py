@@ -112,3 +112,21 @@ def _port() -> int:
     from bebop_megatron.parallel import free_port
 
     return free_port()
+
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    """tools/gpu_check.py's code paths at toy sizes on CPU (the real run needs one GPU)."""
+    out = tmp_path / "gpu_check.json"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--cpu-smoke", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    res = json.loads(out.read_text())
+    assert all(v["ok"] for v in res["losses"].values())
+    assert res["train"]["bf16"]["tokens_per_s"] > 0 and res["train"]["bf16"]["mfu"] > 0
+    assert set(res["rollout"]) == {"batch_1", "batch_4"}
+    assert res["rollout"]["batch_4"]["mtp"]["tokens_per_verify"] >= 1
+    assert res["e2e_tv_vs_ce"]["time_ratio_tv_over_ce"] > 0
+    # without a GPU the real run refuses clearly
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2 and "no CUDA device" in r.stderr

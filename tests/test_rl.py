@@ -163,3 +163,24 @@ def test_strategies_tp2():
     assert res["growmtp"]["mtp_changed"] > 0 and res["occ"]["mtp_changed"] > 0
     for n, d in res["growmtp"]["trunk_delta"].items():
         assert np.allclose(d, res["none"]["trunk_delta"][n], atol=1e-7, rtol=0), n
+
+
+def _kl_entrocraft_worker(rank, world):
+    from bebop_megatron.rl.trainer import RLTrainer
+
+    cfg = rl_tiny_config("frozen")
+    cfg.rl.kl_coef, cfg.rl.entropy_control = 0.1, "entrocraft"
+    cfg.rl.entrocraft_low, cfg.rl.entrocraft_high = [10.0, 10.0], [11.0, 11.0]  # entropy is below: "low"
+    tr = RLTrainer(cfg)
+    m1 = tr.train_step(fake_samples(7))
+    m2 = tr.train_step(fake_samples(8))
+    tr.close()
+    return m1, m2
+
+
+def test_kl_reference_and_entrocraft_in_the_trainer():
+    m1, m2 = run_distributed(_kl_entrocraft_worker, 1)[0]
+    assert m1["loss/kl_ref"] == 0.0  # the reference is the initial policy
+    assert m2["loss/kl_ref"] > 0.0  # one update later the policy has moved away from it
+    assert m1["entrocraft/regime"] == -1  # below the band: only negative-advantage samples are kept
+    assert 0 < m1["data/kept_samples"] < 1
