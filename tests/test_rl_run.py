@@ -156,3 +156,15 @@ def test_rl_improves_reward_on_synthetic_task(tmp_path):
     before = expected_reward(tmp_path / "rl" / "rollout_init")  # the policy the run started from
     after = expected_reward(tmp_path / "rl_hf")
     assert after > before + 0.015, (before, after, [round(x["rollout/reward"], 3) for x in rows])
+
+
+def test_disk_weight_sync(tmp_path):
+    """rl.weight_sync=disk (multi-node layouts): one HF folder per version, servers load it, old ones go."""
+    cfg = write_config(tmp_path, mode="sync", steps=3, weight_sync="disk", save_interval=3)
+    r = bebop_rl(cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(x["rollout/staleness_max"] == 0 for x in rows)  # the servers really switched versions
+    kept = sorted(p.name for p in (tmp_path / "run" / "weights").iterdir())
+    assert kept == ["v2", "v3"]

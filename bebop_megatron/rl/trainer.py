@@ -315,6 +315,11 @@ class RLTrainer:
                 d = self.out / "weights" / f"v{self.version}"
                 write_hf_folder(buckets, self.cfg, Shapes.from_config(self.cfg, 1, "deepseek"), d)
                 self.manager.sync_disk(str(d.resolve()), self.version, expect_mtp=bool(self.gamma))
+                import shutil
+
+                for old in (self.out / "weights").glob("v*"):  # servers hold v now: older folders can go
+                    if old.name != d.name and old.name[1:].isdigit() and int(old.name[1:]) < self.version - 1:
+                        shutil.rmtree(old, ignore_errors=True)
             else:
                 self.manager.sync_tensors(buckets, self.version, expect_mtp=bool(self.gamma))
             self.last_buckets = buckets
