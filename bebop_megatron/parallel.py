@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from datetime import timedelta
 
@@ -71,7 +72,10 @@ def _local_worker(fn, rank, world_size, port, args, queue):
 
     warnings.filterwarnings("ignore")
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Results cross as plain pickled bytes: torch.multiprocessing would otherwise send tensors as
+        # shared-memory handles that vanish when this worker exits before the parent has read them
+        # (FileNotFoundError in multiprocessing's resource_sharer, a flaky race).
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -101,6 +105,8 @@ def run_local_workers(fn, world_size: int, *args, timeout: float = 3600.0) -> li
                 raise RuntimeError(f"local workers timed out after {timeout}s") from None
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
+            else:
+                value = pickle.loads(value)  # our own child's result (see _local_worker)
             results[rank] = value
     finally:
         for p in procs:

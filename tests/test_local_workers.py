@@ -1,0 +1,32 @@
+"""The local multi-process launcher hands results back as plain bytes, never shared-memory handles."""
+
+import pickle
+
+import torch
+
+from bebop_megatron.parallel import _local_worker, run_local_workers
+
+
+class _ListQueue(list):
+    def put(self, item):
+        self.append(item)
+
+
+def _tensor_result(rank: int, world_size: int, n: int) -> dict:
+    return {"rank": rank, "t": torch.arange(n, dtype=torch.float32) * (rank + 1)}
+
+
+def test_worker_result_crosses_as_bytes():
+    # A tensor put on a torch.multiprocessing queue travels as a shared-memory handle that dies with
+    # the worker (the FileNotFoundError race); the worker must serialise it by value instead.
+    q = _ListQueue()
+    _local_worker(_tensor_result, 0, 1, 0, (5,), q)
+    (rank, status, payload), = q
+    assert (rank, status) == (0, "ok") and isinstance(payload, bytes)
+    assert torch.equal(pickle.loads(payload)["t"], torch.arange(5, dtype=torch.float32))
+
+
+def test_run_local_workers_returns_tensors_after_workers_exit():
+    out = run_local_workers(_tensor_result, 2, 1000, timeout=300)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert torch.equal(out[1]["t"], 2 * torch.arange(1000, dtype=torch.float32))
