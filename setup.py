@@ -20,6 +20,7 @@ setup(
         "sentencepiece",
         "tensorboard",
         "tqdm",
+        "matplotlib",  # PNG plots of benchmark and RL curves (Agg backend, no display needed)
         "fastapi",  # bebop serve: the SGLang-compatible HTTP API
         "uvicorn",
         "httpx",  # the rollout bridge's async client

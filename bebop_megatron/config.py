@@ -94,6 +94,16 @@ class MTPConfig:
     detach_trunk: bool = True  # no MTP gradient into trunk, embedding or output layer
     loss_scaling_factor: float = 1.0
     kl_warmup_steps: int = 0  # mix in forward KL, weight 1 -> 0 over these steps (TV/e2e_tv only)
+    # Two-stage recipe: the first ``warmup_steps`` MTP steps train with ``warmup_loss`` (e.g. kl),
+    # the rest with ``loss``. TV's gradient q(m - Σqm) vanishes where a fresh head puts no mass and
+    # e2e-TV weights depth k by Π_{i<k} α_i, so e2e-TV from scratch starves its later depths; a
+    # KL/CE start gives it heads with mass on the target's support (issue #11's measurements).
+    warmup_loss: Optional[str] = None  # ce | kl | tv; None: no warm-up stage
+    warmup_steps: int = 0
+
+    def loss_at(self, step: int) -> str:
+        """The objective for 0-based MTP step ``step`` (a pure function of the step: resumable)."""
+        return self.warmup_loss if self.warmup_loss and step < self.warmup_steps else self.loss
 
 
 @dataclass
@@ -301,6 +311,13 @@ class Config:
             errors.append(f"data.seq_length {self.data.seq_length} too short for γ={m.mtp_num_layers}")
         if self.mtp.loss not in MTP_LOSSES:
             errors.append(f"mtp.loss must be one of {MTP_LOSSES}, got {self.mtp.loss!r}")
+        if self.mtp.warmup_loss is not None and self.mtp.warmup_loss not in MTP_LOSSES:
+            errors.append(f"mtp.warmup_loss must be null or one of {MTP_LOSSES}, got {self.mtp.warmup_loss!r}")
+        if self.mtp.warmup_steps < 0:
+            errors.append(f"mtp.warmup_steps must be >= 0, got {self.mtp.warmup_steps}")
+        if self.mtp.warmup_loss and self.mtp.warmup_steps >= self.train.steps:
+            errors.append(f"mtp.warmup_steps ({self.mtp.warmup_steps}) must be < train.steps "
+                          f"({self.train.steps}), or the main loss {self.mtp.loss!r} never trains")
         if m.fp8 not in FP8_FORMATS:
             errors.append(f"model.fp8 must be one of {FP8_FORMATS}, got {m.fp8!r}")
         if m.fp8_recipe not in FP8_RECIPES:

@@ -71,9 +71,15 @@ def test_train_mtp_raises_acceptance_and_only_touches_mtp(tmp_path):
 
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
-    common = ["train.trunk_warmup_steps=0", "train.steps=6", "train.save_interval=3", "train.log_interval=1"]
+    # the two-stage recipe: KL for 4 steps, then e2e-TV; the run is cut at step 3 and resumed, so the
+    # resumed invocation crosses the objective switch
+    common = ["train.trunk_warmup_steps=0", "train.steps=6", "train.save_interval=3", "train.log_interval=1",
+              "mtp.loss=e2e_tv", "mtp.warmup_loss=kl", "mtp.warmup_steps=4"]
     full = tmp_path / "full"
-    train(full, *common)
+    proc = train(full, *common)
+    assert "step 5: objective e2e_tv" in proc.stdout + proc.stderr
+    sf = json.loads((full / "summary.json").read_text())["mtp"]
+    assert sf["first"]["mtp/objective_is_main"] == 0.0 and sf["last"]["mtp/objective_is_main"] == 1.0
     part = tmp_path / "part"
     first = train(part, *common, "train.exit_interval=3")
     assert "rerun the same command to resume" in first.stdout
@@ -112,6 +118,8 @@ def test_bad_config_is_a_clear_error(tmp_path):
     assert "mtp_num_layers" in proc.stderr and "Traceback" not in proc.stderr
     proc = train(tmp_path / "bad", "mtp.loss=l2", check=False)
     assert proc.returncode == 2 and "mtp.loss" in proc.stderr
+    proc = train(tmp_path / "bad", "mtp.warmup_loss=kl", "mtp.warmup_steps=300", "train.steps=300", check=False)
+    assert proc.returncode == 2 and "mtp.warmup_steps (300) must be < train.steps" in proc.stderr
     assert not (tmp_path / "bad").exists()
 
 

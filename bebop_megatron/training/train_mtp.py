@@ -6,7 +6,10 @@ Phases:
      the MTP heads stay at their initialisation (their acceptance is still logged);
      saved under ``<output_dir>/trunk``;
   2. MTP training: trunk, embedding and output layer frozen; only ``mtp.*`` parameters get
-     gradients, from ``mtp.loss`` (e2e_tv by default, the Bebop recipe).
+     gradients, from ``mtp.warmup_loss`` for the first ``mtp.warmup_steps`` steps (if set) and
+     then from ``mtp.loss`` (e2e_tv, the Bebop recipe). The objective is a function of the step,
+     so a resume on either side of the switch continues exactly (one optimizer and LR schedule
+     span both stages).
 
 Checkpoints are megatron ``torch_dist`` dist checkpoints (model, optimizer, LR schedule, step,
 consumed samples); a rerun with the same ``output_dir`` resumes from the latest one.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +49,7 @@ class PhaseResult:
     steps_run: int  # steps executed by this invocation
     start_step: int
     exited_early: bool = False
+    model: Optional[torch.nn.Module] = field(default=None, repr=False)  # the trained (unwrapped) model
 
 
 def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int, warmup_steps: Optional[int] = None,
@@ -149,7 +153,12 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
     exit_at = start_step + cfg.train.exit_interval if cfg.train.exit_interval > 0 else None
     t0 = time.time()
     while step < steps and (exit_at is None or step < exit_at):
-        if cfg.mtp.kl_warmup_steps > 0 and cfg.mtp.loss in ("tv", "e2e_tv"):
+        if phase == "mtp":
+            loss_type = cfg.mtp.loss_at(step)
+            if loss_type != model.mtp_loss_type and is_logging_rank():
+                log.info("[mtp] step %d: objective %s", step + 1, loss_type)
+            model.mtp_loss_type = loss_type
+        if cfg.mtp.kl_warmup_steps > 0 and model.mtp_loss_type in ("tv", "e2e_tv"):
             model.mtp_kl_weight = max(0.0, 1.0 - step / cfg.mtp.kl_warmup_steps)
         mbs = list(microbatches_for_step(data, consumed, p.global_batch_size, p.micro_batch_size, dp_rank, dp_size))
         loss_sum, ntok, grad_norm, ok = train_iteration([ddp], opt, mbs, cfg.data.seq_length)
@@ -166,6 +175,8 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
                 metrics["lm_loss"] = float(lm[0] / max(lm[1], 1))
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
             metrics["lr"] = opt.param_groups[0]["lr"]
+            if phase == "mtp":
+                metrics["mtp/objective_is_main"] = float(model.mtp_loss_type == cfg.mtp.loss)
             metrics["steps_per_s"] = 1.0 / max((time.time() - t0) / cfg.train.log_interval, 1e-9)
             t0 = time.time()
             if is_logging_rank():
@@ -173,7 +184,8 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
                 if not first:
                     first = dict(metrics)
                 last = dict(metrics)
-                msg = (f"[{phase}] step {step}/{steps} lm_loss {metrics.get('lm_loss', float('nan')):.4f} "
+                obj = f" [{model.mtp_loss_type}]" if phase == "mtp" else ""
+                msg = (f"[{phase}{obj}] step {step}/{steps} lm_loss {metrics.get('lm_loss', float('nan')):.4f} "
                        f"mtp_loss {metrics.get('mtp/loss', float('nan')):.4f} "
                        f"accept {metrics.get('mtp/accept_rate', float('nan')):.3f} "
                        f"E[acc] {metrics.get('mtp/expected_accepted', float('nan')):.3f} "
@@ -193,7 +205,7 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
     if progress is not None:
         progress.close()
     logger.close()
-    return PhaseResult(ckpt, first, last, step, step - start_step, start_step, step < steps)
+    return PhaseResult(ckpt, first, last, step, step - start_step, start_step, step < steps, model)
 
 
 def train_mtp(cfg: Config) -> dict:
