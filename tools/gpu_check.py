@@ -108,13 +108,13 @@ def _train_worker(rank, world, smoke: bool, fp8: bool, steps: int, peak_tflops: 
     from bebop_megatron.model import build_model
     from bebop_megatron.parallel import initialize_distributed
     from bebop_megatron.training.step import train_iteration
-    from bebop_megatron.training.train_mtp import _wrap_and_optimizer
+    from bebop_megatron.training.optim import build_optimizer
 
     cfg = _model_config(smoke, fp8)
     platform = initialize_distributed(1, 1, seed=0, force_cpu=smoke)
     model = build_model(cfg, platform)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp, opt, _ = _wrap_and_optimizer(cfg, model, 1e-4, steps)
+    ddp, opt, _ = build_optimizer(cfg, model, 1e-4, steps)
     b, s, V = cfg.parallel.micro_batch_size, cfg.data.seq_length, cfg.model.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (b, s + 1), generator=g)

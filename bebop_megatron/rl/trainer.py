@@ -192,9 +192,9 @@ class RLTrainer:
         self.hook = RLForward(r.mtp_strategy, r.temperature, r.online_mtp_loss,
                               r.occ_lambda, r.clip_low, r.clip_high)
         self.model.postprocess_hook = self.hook
-        from bebop_megatron.training.train_mtp import _wrap_and_optimizer
+        from bebop_megatron.training.optim import build_optimizer
 
-        self.ddp, self.opt, self.sched = _wrap_and_optimizer(cfg, self.model, r.lr, max(r.steps, 1),
+        self.ddp, self.opt, self.sched = build_optimizer(cfg, self.model, r.lr, max(r.steps, 1),
                                                              warmup_steps=r.warmup_steps, decay_style="constant")
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(self.out)

@@ -35,6 +35,7 @@ from bebop_megatron.data import build_dataset, microbatches_for_step
 from bebop_megatron.model import build_model
 from bebop_megatron.parallel import initialize_distributed, is_logging_rank
 from bebop_megatron.platform import Platform
+from bebop_megatron.training.optim import build_optimizer
 from bebop_megatron.training.step import train_iteration
 
 log = logging.getLogger("bebop.train_mtp")
@@ -50,37 +51,6 @@ class PhaseResult:
     start_step: int
     exited_early: bool = False
     model: Optional[torch.nn.Module] = field(default=None, repr=False)  # the trained (unwrapped) model
-
-
-def _wrap_and_optimizer(cfg: Config, model, lr: float, steps: int, warmup_steps: Optional[int] = None,
-                        decay_style: str = "cosine"):
-    """megatron-core DDP + optimizer + LR schedule over the parameters that require grad."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    t = cfg.train
-    bf16 = cfg.model.params_dtype == "bfloat16"
-    ddp = DistributedDataParallel(
-        model.config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                      use_distributed_optimizer=False),
-        model,
-    )
-    model.config.finalize_model_grads_func = finalize_model_grads
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, min_lr=min(t.min_lr, lr), weight_decay=t.weight_decay,
-                        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
-                        bf16=bf16, params_dtype=getattr(torch, cfg.model.params_dtype)),
-        [ddp],
-    )
-    warmup = t.warmup_steps if warmup_steps is None else warmup_steps
-    sched = OptimizerParamScheduler(
-        opt, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=min(t.min_lr, lr),
-        lr_warmup_steps=min(warmup, max(steps - 1, 0)), lr_decay_steps=max(steps, 1), lr_decay_style=decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
-        wd_incr_steps=max(steps, 1), wd_incr_style="constant",
-    )
-    return ddp, opt, sched
 
 
 def _set_trainable(model, phase: str) -> None:
@@ -118,7 +88,7 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
     model = build_model(cfg, platform)
     _set_trainable(model, phase)
     model.mtp_kl_weight = 0.0
-    ddp, opt, sched = _wrap_and_optimizer(cfg, model, lr, steps)
+    ddp, opt, sched = build_optimizer(cfg, model, lr, steps)
 
     step, consumed = 0, 0
     resume_from = latest_checkpoint(root) if cfg.train.resume else None
