@@ -7,8 +7,9 @@ data of two distributions:
 
 * ``sft``: the SFT mixture (documents of solved problems), teacher-forced; the engine continues
   the documents (no stop), which includes the high-entropy "invent the next problem" positions;
-* ``rl``:  the RL task prompts (``rl.task``) with their answers, teacher-forced on the answer; the
-  engine answers the prompts and stops at ``rl.stop``, as RL rollouts do.
+* ``rl``:  the RL task prompts (``rl.task``); teacher-forced on the frozen trunk's own sampled
+  answers (T = 1, up to the stop: what rollouts verify), and the engine answers the prompts and
+  stops at ``rl.stop``, as RL rollouts do.
 
 Measured per (objective, seed, distribution, temperature):
 * per-depth α_k = Σ_v min(p_k, q_k) exactly from the logits (p, q both at temperature T), the
@@ -105,6 +106,33 @@ def build_eval_sets(cfg, n: int, seed: int = 987_654) -> list[EvalSet]:
     return [sft, rl]
 
 
+@torch.no_grad()
+def on_policy(em, cfg, ev: EvalSet, max_new_tokens: int, temperature: float = 1.0) -> EvalSet:
+    """``ev`` with the answers replaced by the trunk's own samples (plain decoding at T): the
+    tokens that speculative rollouts actually verify. The trunk is frozen during MTP training, so
+    one sampling serves every objective and seed."""
+    from bebop_megatron.data import load_tokenizer
+    from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
+
+    eng = Engine(em, load_tokenizer(cfg.data.tokenizer), SpecConfig("none"), max_running=len(ev.prompts),
+                 max_len=max(len(p) for p in ev.prompts) + max_new_tokens + 2)
+    reqs = eng.generate([list(p) for p in ev.prompts],
+                        [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                        stop_token_ids=list(ev.stop_token_ids), seed=7_000 + i)
+                         for i in range(len(ev.prompts))])
+    s = ev.tokens.shape[1]
+    rows, masks = [], []
+    for p, r in zip(ev.prompts, reqs):
+        seq = (list(p) + list(r.output_ids))[: s + 1]
+        m = torch.zeros(s)
+        m[len(p) - 1 : len(seq) - 1] = 1.0
+        rows.append(seq)
+        masks.append(m)
+    full = _pad_rows(rows, s + 1)
+    return EvalSet(ev.name, full[:, :-1].contiguous(), full[:, 1:].contiguous(), torch.stack(masks), ev.prompts,
+                   ev.stop_token_ids)
+
+
 # ------------------------------------------------------------------ teacher-forced α
 
 
@@ -184,11 +212,10 @@ def objective_config(cfg, objective: str, seed: int, out: Path, warmup: tuple[st
     c.train.save_interval = 0
     c.train.progress = False
     c.train.resume = False
-    c.mtp.kl_warmup_steps = 0
-    if objective == "recommended":
+    if objective == "recommended":  # the config's recipe (incl. any mtp.kl_warmup_steps anneal)
         c.mtp.loss, (c.mtp.warmup_loss, c.mtp.warmup_steps) = "e2e_tv", warmup
-    else:
-        c.mtp.loss, c.mtp.warmup_loss, c.mtp.warmup_steps = objective, None, 0
+    else:  # a plain baseline
+        c.mtp.loss, c.mtp.warmup_loss, c.mtp.warmup_steps, c.mtp.kl_warmup_steps = objective, None, 0, 0
     return c
 
 
@@ -366,6 +393,7 @@ def main(argv=None) -> int:
     from bebop_megatron.parallel import initialize_distributed
 
     cfg = Config.load(args.config, args.set)
+    budget = cfg.train.steps  # the recipe's stage lengths scale with the step budget
     if args.steps:
         cfg.train.steps = args.steps
     if args.quick:
@@ -376,10 +404,11 @@ def main(argv=None) -> int:
         wl, ws = args.recommended.split(":")
         warmup = (wl, int(ws))
     elif cfg.mtp.warmup_loss:
-        warmup = (cfg.mtp.warmup_loss, cfg.mtp.warmup_steps)
+        warmup = (cfg.mtp.warmup_loss, round(cfg.mtp.warmup_steps * cfg.train.steps / budget))
     else:
         warmup = ("kl", cfg.train.steps // 2)
     warmup = (warmup[0], min(warmup[1], cfg.train.steps - 1))
+    cfg.mtp.kl_warmup_steps = round(cfg.mtp.kl_warmup_steps * cfg.train.steps / budget)
     temps = [float(t) for t in args.temperatures.split(",")]
     objectives = [o.strip() for o in args.objectives.split(",")]
     out = Path(args.out)
@@ -395,13 +424,18 @@ def main(argv=None) -> int:
           f"{warmup[0]} x {warmup[1]} then e2e_tv x {cfg.train.steps - warmup[1]}; seeds {args.seeds}")
 
     records: list[dict] = []
+    rl_on_policy = False
     t_start = time.time()
     for seed in range(1, args.seeds + 1):
         for obj in objectives:
             t0 = time.time()
             ocfg = objective_config(cfg, obj, seed, out / "runs" / f"{obj}_s{seed}", warmup)
             model = train_heads(ocfg, platform, trunk, Path(ocfg.train.output_dir))
-            em = None if args.no_engine else engine_model(cfg, model)
+            em = engine_model(cfg, model)
+            if eval_sets[1].name == "rl" and not rl_on_policy:
+                eval_sets[1] = on_policy(em, cfg, eval_sets[1], args.max_new_tokens)
+                rl_on_policy = True
+            em = None if args.no_engine else em
             for ev in eval_sets:
                 tf = teacher_forced(model, ev, temps)
                 if em is None:
