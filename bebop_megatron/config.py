@@ -25,6 +25,8 @@ MTP_LOSSES = ("ce", "kl", "tv", "e2e_tv")
 FP8_FORMATS = (None, "hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+ARCHS = ("qwen2", "qwen3", "qwen3_5")
+HYBRID_ARCHS = ("qwen3_5",)  # Gated DeltaNet + gated full attention (Qwen3.5 family)
 DTYPES = ("float32", "bfloat16", "float16")
 MTP_STRATEGIES = ("frozen", "online", "growmtp", "occ", "none")
 REWARDS = ("synthetic", "synthetic_partial", "math", "code")
@@ -32,9 +34,10 @@ REWARDS = ("synthetic", "synthetic_partial", "math", "code")
 
 @dataclass
 class ModelConfig:
-    """Qwen2/Qwen3-style dense decoder with γ MTP layers."""
+    """Qwen2/Qwen3-style dense decoder, or a Qwen3.5-style hybrid (Gated DeltaNet + gated full
+    attention), with γ MTP layers (or ONE MTP layer applied γ times: ``mtp_recurrent``)."""
 
-    arch: str = "qwen3"  # qwen2 (QKV bias) | qwen3 (QK-norm)
+    arch: str = "qwen3"  # qwen2 (QKV bias) | qwen3 (QK-norm) | qwen3_5 (hybrid GDN/gated attention)
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 192
@@ -60,10 +63,36 @@ class ModelConfig:
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"
     fp8_mtp: bool = False  # False: MTP layers run in bf16 outside FP8 (acceptance is sensitive to them)
+    # One MTP layer applied γ = mtp_num_layers times, each step fed the previous step's hidden and
+    # the next ground-truth token (Qwen3-Next / Qwen3.5 / GLM; megatron-core 0.17 mtp_use_repeated_layer)
+    mtp_recurrent: bool = False
+    # ---- Qwen3.5-style hybrid (arch qwen3_5): Gated DeltaNet layers + gated full attention,
+    # zero-centred RMSNorm ((1+w)·x̂), partial RoPE. layer_types wins over full_attention_interval.
+    layer_types: Optional[list] = None  # per layer "linear_attention" | "full_attention"
+    full_attention_interval: int = 4  # every N-th layer is full attention (layers N-1, 2N-1, ...)
+    partial_rotary_factor: Optional[float] = None  # default 0.25 for qwen3_5, else 1.0
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+
+    @property
+    def hybrid(self) -> bool:
+        return self.arch in HYBRID_ARCHS
+
+    def resolved_layer_types(self) -> list:
+        """Per-layer token mixer of a hybrid model (HF's ``layer_types``)."""
+        if self.layer_types:
+            return list(self.layer_types)
+        n = max(int(self.full_attention_interval), 1)
+        return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_layers)]
 
     def __post_init__(self) -> None:
+        if self.partial_rotary_factor is None:
+            self.partial_rotary_factor = 0.25 if self.arch in HYBRID_ARCHS else 1.0
         if self.qk_layernorm is None:
-            self.qk_layernorm = self.arch == "qwen3"
+            self.qk_layernorm = self.arch in ("qwen3",) + HYBRID_ARCHS
         if self.add_qkv_bias is None:
             self.add_qkv_bias = self.arch == "qwen2"
         if self.kv_channels is None and self.num_attention_heads > 0:
@@ -275,8 +304,8 @@ class Config:
         m, p, t = self.model, self.parallel, self.train
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         errors: list[str] = []
-        if m.arch not in ("qwen2", "qwen3"):
-            errors.append(f"model.arch must be qwen2 or qwen3, got {m.arch!r}")
+        if m.arch not in ARCHS:
+            errors.append(f"model.arch must be one of {ARCHS}, got {m.arch!r}")
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size"):
             if getattr(m, name) < 1:
@@ -302,6 +331,8 @@ class Config:
             errors.append(f"padded vocab {m.padded_vocab_size(tp)} not divisible by TP {tp}")
         if m.num_layers % pp:
             errors.append(f"num_layers {m.num_layers} not divisible by PP {pp}")
+        if m.hybrid:
+            errors += _validate_hybrid(m, tp)
         if p.sequence_parallel and tp == 1:
             errors.append("sequence_parallel needs TP > 1")
         if self.data.seq_length > m.max_position_embeddings:
@@ -423,6 +454,25 @@ class Config:
             errors.append(f"rl.prompts_per_step*rl.group_size = {samples} samples per step not divisible by "
                           f"micro_batch_size*DP = {p.micro_batch_size}*{dp}")
         return errors
+
+
+def _validate_hybrid(m: ModelConfig, tp: int) -> list[str]:
+    errors = []
+    types = m.resolved_layer_types()
+    if len(types) != m.num_layers or set(types) - {"linear_attention", "full_attention"}:
+        errors.append(f"model.layer_types must list {m.num_layers} of linear_attention|full_attention, got {types}")
+    if "full_attention" not in types:
+        errors.append("model.layer_types has no full_attention layer (the MTP layer is one)")
+    if m.linear_num_value_heads % m.linear_num_key_heads:
+        errors.append(f"linear_num_value_heads {m.linear_num_value_heads} not a multiple of "
+                      f"linear_num_key_heads {m.linear_num_key_heads}")
+    if m.linear_num_key_heads % tp or m.linear_num_value_heads % tp:
+        errors.append(f"linear_num_key_heads/linear_num_value_heads not divisible by TP {tp}")
+    if not 0 < m.partial_rotary_factor <= 1:
+        errors.append(f"model.partial_rotary_factor must be in (0, 1], got {m.partial_rotary_factor}")
+    if m.fp8:
+        errors.append("model.fp8 is not supported for the hybrid (Gated DeltaNet) archs yet")
+    return errors
 
 
 def load_yaml_with_base(path: Path, _seen: Optional[set] = None) -> dict[str, Any]:

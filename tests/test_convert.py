@@ -76,24 +76,17 @@ def test_round_trip_is_bit_exact_and_engine_matches_transformers(tmp_path, arch,
     hf_to_megatron(tmp_path / "hf", tmp_path / "mc", tp=tp)
     res = megatron_to_hf(tmp_path / "mc", tmp_path / "back")
     src, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    L = cfg["num_hidden_layers"]
-    rename = {}
-    if layout == "qwen3_next":  # one shared module exports as DeepSeek-style depth 0
-        heads = {"mtp.fc.weight": "eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
-                 "mtp.pre_fc_norm_hidden.weight": "hnorm.weight", "mtp.norm.weight": "shared_head.norm.weight"}
-        for n in src:
-            if n in heads:
-                rename[n] = f"model.layers.{L}.{heads[n]}"
-            elif n.startswith("mtp.layers.0."):
-                rename[n] = f"model.layers.{L}." + n[len("mtp.layers.0."):]
+    # the Qwen3-Next layout's one module becomes recurrent MTP (one megatron layer, not copies)
+    # and exports back under its own names
     assert res["tensors"] == len(back)
+    assert set(back) == set(src) - ({"lm_head.weight"} if tie else set())
     for n, t in src.items():
         if tie and n == "lm_head.weight":
             continue
-        m = rename.get(n, n)
-        assert m in back, m
-        assert torch.equal(back[m], t), n
+        assert torch.equal(back[n], t), n
+    if layout == "qwen3_next":
+        cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+        assert cfg["mtp_num_hidden_layers"] == 1 and "num_nextn_predict_layers" not in cfg
     # the exported folder loads in transformers and in the engine with identical logits
     from transformers import AutoModelForCausalLM
 

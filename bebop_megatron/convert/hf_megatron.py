@@ -24,6 +24,7 @@ from bebop_megatron.config import Config, ConfigError, ModelConfig
 from bebop_megatron.convert.layout import ConversionError, Shapes, hf_config, recipe_for
 
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq", "shared_head.head.weight")
+IGNORABLE_PREFIXES = ("model.visual.",)  # Qwen3.5 vision tower: bebop trains the text model only
 
 
 # ------------------------------------------------------------------------ HF input
@@ -51,6 +52,12 @@ class LazyHF:
     def keys(self) -> set[str]:
         return set(self._where)
 
+    @property
+    def prefix(self) -> str:
+        """Prefix of the decoder tensors: ``model.`` or, in Qwen3.5's multimodal checkpoints,
+        ``model.language_model.``."""
+        return "model.language_model." if any(k.startswith("model.language_model.") for k in self._where) else "model."
+
     def get(self, name: str) -> Tensor:
         from safetensors import safe_open
 
@@ -61,18 +68,34 @@ class LazyHF:
             return h.get_tensor(name).clone()
 
 
+def text_config(cfg: dict) -> dict:
+    """The language model's fields (Qwen3.5 nests them in ``text_config``), over the top level."""
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict):
+        return cfg
+    return {**{k: v for k, v in cfg.items() if k != "text_config"}, **tc}
+
+
 def hf_arch(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
     mt = cfg.get("model_type", "")
+    if mt in ("qwen3_5", "qwen3_5_text") or any(a.startswith("Qwen3_5For") for a in archs):
+        return "qwen3_5"
+    if mt in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next") or any(
+            a.startswith(("Qwen3_5MoeFor", "Qwen3NextFor")) for a in archs):
+        raise ConversionError(f"{archs or mt!r}: Qwen3.5-MoE / Qwen3-Next conversion is not implemented yet "
+                              "(dense Qwen3.5 is)")
     if mt == "qwen3" or any(a.startswith("Qwen3ForCausalLM") for a in archs):
         return "qwen3"
     if mt == "qwen2" or any(a.startswith("Qwen2ForCausalLM") for a in archs):
         return "qwen2"
-    raise ConversionError(f"unsupported architecture {archs or mt!r}: bebop converts Qwen2 / Qwen3 dense models")
+    raise ConversionError(f"unsupported architecture {archs or mt!r}: bebop converts Qwen2 / Qwen3 / "
+                          "Qwen3.5 dense models")
 
 
 def hf_mtp_layout(cfg: dict) -> tuple[Optional[str], int]:
     """(layout, modules) of the MTP weights a HF config declares (None, 0 when it has none)."""
+    cfg = text_config(cfg)
     n = int(cfg.get("num_nextn_predict_layers") or 0)
     if n:
         return "deepseek", n
@@ -82,11 +105,13 @@ def hf_mtp_layout(cfg: dict) -> tuple[Optional[str], int]:
 
 
 def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: int = 128) -> Config:
-    """A bebop Config whose model section reproduces the HF model (γ = the HF MTP depth unless given)."""
+    """A bebop Config whose model section reproduces the HF model (γ = the HF MTP depth unless given).
+    A Qwen3-Next-layout MTP module (one module for every draft step) becomes recurrent MTP."""
     arch = hf_arch(cfg)
     layout, n_modules = hf_mtp_layout(cfg)
+    cfg = text_config(cfg)
     gamma = mtp_layers or (n_modules if layout == "deepseek" else 0) or 1
-    rp = cfg.get("rope_parameters") or {}
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     heads = cfg["num_attention_heads"]
     m = ModelConfig(
         arch=arch, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
@@ -98,7 +123,17 @@ def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: 
         norm_epsilon=cfg.get("rms_norm_eps", 1e-6), qk_layernorm=arch == "qwen3",
         add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), mtp_num_layers=gamma,
+        mtp_recurrent=layout == "qwen3_next",
     )
+    if arch == "qwen3_5":
+        m.qk_layernorm, m.add_qkv_bias = True, bool(cfg.get("attention_bias", False))
+        m.layer_types = list(cfg["layer_types"]) if cfg.get("layer_types") else None
+        m.full_attention_interval = int(cfg.get("full_attention_interval", 4))
+        m.partial_rotary_factor = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        for k in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                  "linear_num_value_heads"):
+            if cfg.get(k) is not None:
+                setattr(m, k, int(cfg[k]))
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
     m.params_dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
     c = Config(model=m)
@@ -160,8 +195,9 @@ def load_hf_into_model(model, hf: LazyHF, shapes: Shapes) -> dict:
 
 def unexpected_hf_tensors(hf: LazyHF, shapes: Shapes) -> list[str]:
     """HF tensors no megatron parameter would consume (checked once, before converting)."""
-    names = {f"decoder.layers.{i}.{sfx}" for i in range(shapes.num_layers) for sfx in _LAYER_SUFFIXES}
-    names |= {f"mtp.layers.{k}.{sfx}" for k in range(shapes.mtp_layers) for sfx in _MTP_SUFFIXES}
+    layer_sfx = _LAYER_SUFFIXES + (_GDN_SUFFIXES if shapes.hybrid else ())
+    names = {f"decoder.layers.{i}.{sfx}" for i in range(shapes.num_layers) for sfx in layer_sfx}
+    names |= {f"mtp.layers.{k}.{sfx}" for k in range(shapes.mtp_modules) for sfx in _MTP_SUFFIXES}
     names |= {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"}
     used = set()
     for n in names:
@@ -170,18 +206,22 @@ def unexpected_hf_tensors(hf: LazyHF, shapes: Shapes) -> list[str]:
             used.update(r.hf_names)
     if shapes.tie:
         used.add("lm_head.weight")  # some tied checkpoints still carry a copy
-    return sorted(k for k in hf.keys() - used if not k.endswith(IGNORABLE_SUFFIXES))
+    return sorted(k for k in hf.keys() - used
+                  if not k.endswith(IGNORABLE_SUFFIXES) and not k.startswith(IGNORABLE_PREFIXES))
 
 
 _LAYER_SUFFIXES = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.linear_qkv.weight",
                    "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
                    "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
                    "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+_GDN_SUFFIXES = ("self_attention.in_proj.weight", "self_attention.in_proj.layer_norm_weight",
+                 "self_attention.conv1d.weight", "self_attention.A_log", "self_attention.dt_bias",
+                 "self_attention.out_norm.weight", "self_attention.out_proj.weight")
 _MTP_SUFFIXES = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight") + tuple(
     "transformer_layer." + s for s in _LAYER_SUFFIXES)
 
 
-def _hf_to_megatron_worker(rank, world, hf_path, out_tmp, cfg_dict, tp, pp, layout):
+def _hf_to_megatron_worker(rank, world, hf_path, out_tmp, cfg_dict, tp, pp, layout, prefix="model."):
     from bebop_megatron.checkpointing import save_checkpoint
     from bebop_megatron.model import build_model
     from bebop_megatron.parallel import initialize_distributed
@@ -192,7 +232,7 @@ def _hf_to_megatron_worker(rank, world, hf_path, out_tmp, cfg_dict, tp, pp, layo
     hf = LazyHF(hf_path)
     # every weight is overwritten unless MTP layers must be created fresh
     model = build_model(cfg, platform, initialize=hf_mtp_layout(hf.config)[0] is None)
-    shapes = Shapes.from_config(cfg, tp, layout)
+    shapes = Shapes.from_config(cfg, tp, layout, prefix)
     info = load_hf_into_model(model, hf, shapes)
     save_checkpoint(out_tmp, 0, model, extra={"config": json.dumps(cfg.to_dict()), "source": str(hf_path),
                                               "consumed_samples": 0, "phase": "converted"})
@@ -213,14 +253,14 @@ def hf_to_megatron(hf_path: str | Path, output: str | Path, tp: int = 1, pp: int
     except ConfigError as e:
         raise ConversionError(str(e)) from e
     layout, _ = hf_mtp_layout(hf.config)
-    shapes = Shapes.from_config(cfg, tp, layout or "deepseek")
+    shapes = Shapes.from_config(cfg, tp, layout or "deepseek", hf.prefix)
     extra = unexpected_hf_tensors(hf, shapes)
     if extra:
         raise ConversionError(f"unexpected tensor(s) in {hf_path}: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     out, tmp = _prepare_output(output, overwrite)
     try:
         results = run_local_workers(_hf_to_megatron_worker, tp * pp, str(hf_path), str(tmp), cfg.to_dict(), tp, pp,
-                                    layout or "deepseek")
+                                    layout or "deepseek", hf.prefix)
     except RuntimeError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         msg = str(e)
@@ -234,7 +274,8 @@ def hf_to_megatron(hf_path: str | Path, output: str | Path, tp: int = 1, pp: int
     _copy_tokenizer(Path(hf_path), tmp)
     _publish(tmp, out)
     return {"output": str(out), "tensors": len(consumed), "fresh_mtp_layers": bool(fresh),
-            "mtp_layers": cfg.model.mtp_num_layers, "layout": layout, "tp": tp, "pp": pp}
+            "mtp_layers": cfg.model.mtp_num_layers, "mtp_recurrent": cfg.model.mtp_recurrent, "layout": layout,
+            "tp": tp, "pp": pp}
 
 
 # ------------------------------------------------------------------ megatron -> HF
@@ -243,7 +284,8 @@ def hf_to_megatron(hf_path: str | Path, output: str | Path, tp: int = 1, pp: int
 def iter_hf_tensors(model, shapes: Shapes) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) for this rank's pipeline stage (TP shards gathered: a collective
     over the TP group, so every TP rank must iterate). MTP depths map to distinct DeepSeek-style
-    modules; with the single-module Qwen3-Next layout only depth 0 is exported."""
+    modules; with the single-module Qwen3-Next layout (and with recurrent MTP, which holds one
+    layer) only depth 0 is exported."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from bebop_megatron.model.tp_layout import gather_tensor
@@ -296,7 +338,8 @@ def _megatron_to_hf_worker(rank, world, ckpt, out_tmp, shard_bytes, dtype):
     platform = initialize_distributed(1, 1, seed=0, force_cpu=True)
     model = build_model(cfg, platform, initialize=False)
     load_checkpoint(ckpt, model)
-    shapes = Shapes.from_config(cfg, 1, "deepseek")
+    # recurrent MTP exports its one module in the Qwen3-Next layout (mtp.*), as Qwen3.5 ships it
+    shapes = Shapes.from_config(cfg, 1, "qwen3_next" if cfg.model.mtp_recurrent else "deepseek")
     return write_hf_folder(iter_hf_buckets(model, shapes, shard_bytes), cfg, shapes, out_tmp, dtype)
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron-core tensor names and layouts for Qwen2/Qwen3 dense models with MTP.
+"""Hugging Face <-> megatron-core tensor names and layouts for Qwen2/Qwen3 dense models and the
+Qwen3.5 hybrid (Gated DeltaNet + gated attention), with MTP.
 
 One place for the mapping, used by ``bebop convert`` (both directions) and by rollout weight
 sync. Megatron names here are *full* (TP=1) tensors with *global* layer indices; TP sharding is
@@ -10,7 +11,12 @@ sync. Megatron names here are *full* (TP=1) tensors with *global* layer indices;
   ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` both map to HF's norms;
 * MTP depth k (``mtp.layers.k``) <-> DeepSeek-V3 ``model.layers.{L+k}.{enorm,hnorm,eh_proj,
   shared_head.norm,<decoder layer>}`` or Qwen3-Next ``mtp.{pre_fc_norm_embedding,
-  pre_fc_norm_hidden,fc,norm,layers.0.<decoder layer>}`` (one module, used for every depth).
+  pre_fc_norm_hidden,fc,norm,layers.0.<decoder layer>}`` (one module, used for every depth);
+  with recurrent MTP megatron holds that one module as ``mtp.layers.0`` (no copies);
+* Qwen3.5: gated attention ``q_proj`` rows are [q_h; gate_h] per head, megatron's ``linear_qkv``
+  [q_g.., gate_g.., k_g, v_g] per group; GDN ``in_proj`` = [in_proj_qkv; in_proj_z; in_proj_b;
+  in_proj_a]; all norms map 1:1 (both sides zero-centred; GDN's output norm plain on both sides);
+  multimodal checkpoints prefix the decoder with ``model.language_model.`` (``hf_prefix``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from bebop_megatron.config import HYBRID_ARCHS
 
 
 class ConversionError(ValueError):
@@ -40,13 +48,36 @@ class Shapes:
     mtp_layout: str  # deepseek | qwen3_next (HF side)
     qkv_bias: bool
     qk_norm: bool
+    arch: str = "qwen3"
+    mtp_recurrent: bool = False  # megatron holds ONE MTP layer (mtp.layers.0) applied γ times
+    hf_prefix: str = "model."  # "model.language_model." in Qwen3.5 ForConditionalGeneration checkpoints
+    # hybrid (qwen3_5) only
+    layer_types: tuple = ()
+    linear: tuple = ()  # (key_head_dim, value_head_dim, num_key_heads, num_value_heads, conv_kernel)
+    rotary_factor: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg, tp: int = 1, mtp_layout: str = "deepseek") -> "Shapes":
+    def from_config(cls, cfg, tp: int = 1, mtp_layout: str = "deepseek", hf_prefix: str = "model.") -> "Shapes":
         m = cfg.model
+        hybrid = m.arch in HYBRID_ARCHS
+        if hybrid:
+            mtp_layout = "qwen3_next"  # the only MTP layout of this family
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels,
                    m.vocab_size, m.padded_vocab_size(tp), m.tie_word_embeddings, m.mtp_num_layers, mtp_layout,
-                   bool(m.add_qkv_bias), bool(m.qk_layernorm))
+                   bool(m.add_qkv_bias), bool(m.qk_layernorm), m.arch, bool(m.mtp_recurrent), hf_prefix,
+                   tuple(m.resolved_layer_types()) if hybrid else (),
+                   (m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_key_heads,
+                    m.linear_num_value_heads, m.linear_conv_kernel_dim) if hybrid else (),
+                   float(m.partial_rotary_factor))
+
+    @property
+    def hybrid(self) -> bool:
+        return self.arch in HYBRID_ARCHS
+
+    @property
+    def mtp_modules(self) -> int:
+        """MTP layers megatron holds (one when recurrent)."""
+        return min(self.mtp_layers, 1) if self.mtp_recurrent else self.mtp_layers
 
 
 # --------------------------------------------------------------------------- transforms
@@ -68,6 +99,33 @@ def qkv_from_megatron(w: Tensor, s: Shapes) -> tuple[Tensor, Tensor, Tensor]:
     w = w.reshape(g, per_q + 2 * hd, *tail)
     q, k, v = torch.split(w, [per_q, hd, hd], dim=1)
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def gated_qkv_to_megatron(q: Tensor, k: Tensor, v: Tensor, s: Shapes) -> Tensor:
+    """HF gated attention (``q_proj`` rows per head [q_h; gate_h]) -> megatron's per-group
+    [q_g.., gate_g.., k_g, v_g] (``attention_output_gate``)."""
+    g, hd = s.num_groups, s.head_dim
+    hpg = s.num_heads // g
+    tail = q.shape[1:]
+    q = q.reshape(g, hpg, 2, hd, *tail)
+    query, gate = q[:, :, 0].reshape(g, hpg * hd, *tail), q[:, :, 1].reshape(g, hpg * hd, *tail)
+    return torch.cat([query, gate, k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1).reshape(-1, *tail)
+
+
+def gated_qkv_from_megatron(w: Tensor, s: Shapes) -> tuple[Tensor, Tensor, Tensor]:
+    g, hd = s.num_groups, s.head_dim
+    hpg = s.num_heads // g
+    tail = w.shape[1:]
+    w = w.reshape(g, 2 * hpg * hd + 2 * hd, *tail)
+    query, gate, k, v = torch.split(w, [hpg * hd, hpg * hd, hd, hd], dim=1)
+    q = torch.stack([query.reshape(g, hpg, hd, *tail), gate.reshape(g, hpg, hd, *tail)], dim=2)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def gdn_in_proj_sizes(s: Shapes) -> list[int]:
+    """Rows of HF's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (megatron's in_proj stacks them)."""
+    dk, dv, nk, nv, _ = s.linear
+    return [2 * dk * nk + dv * nv, dv * nv, nv, nv]
 
 
 def pad_vocab(t: Tensor, s: Shapes) -> Tensor:
@@ -104,12 +162,31 @@ class Recipe:
     from_megatron: Callable[[Tensor], list[Tensor]]
 
 
+# Gated DeltaNet (megatron-core ``GatedDeltaNet`` as ``self_attention``) <-> HF ``linear_attn``
+_GDN_1TO1 = {
+    "self_attention.conv1d.weight": "linear_attn.conv1d.weight",
+    "self_attention.A_log": "linear_attn.A_log",
+    "self_attention.dt_bias": "linear_attn.dt_bias",
+    "self_attention.out_norm.weight": "linear_attn.norm.weight",  # plain (not zero-centred) gain
+    "self_attention.out_proj.weight": "linear_attn.out_proj.weight",
+    "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",  # TE fused
+}
+
+
 def _layer_recipe(suffix: str, hf_prefix: str, s: Shapes) -> Optional[Recipe]:
     if suffix in _LAYER_1TO1:
         return Recipe([hf_prefix + _LAYER_1TO1[suffix]], lambda t: t[0], lambda t: [t])
+    if s.hybrid and suffix in _GDN_1TO1:
+        return Recipe([hf_prefix + _GDN_1TO1[suffix]], lambda t: t[0], lambda t: [t])
+    if s.hybrid and suffix == "self_attention.in_proj.weight":
+        names = [hf_prefix + f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")]
+        return Recipe(names, lambda t: torch.cat(t, 0), lambda t: list(torch.split(t, gdn_in_proj_sizes(s), 0)))
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         names = [f"{hf_prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
+        if s.hybrid:  # gated attention
+            return Recipe(names, lambda t: gated_qkv_to_megatron(t[0], t[1], t[2], s),
+                          lambda t: list(gated_qkv_from_megatron(t, s)))
         return Recipe(names, lambda t: qkv_to_megatron(t[0], t[1], t[2], s), lambda t: list(qkv_from_megatron(t, s)))
     if suffix == "mlp.linear_fc1.weight":
         names = [hf_prefix + "mlp.gate_proj.weight", hf_prefix + "mlp.up_proj.weight"]
@@ -119,22 +196,25 @@ def _layer_recipe(suffix: str, hf_prefix: str, s: Shapes) -> Optional[Recipe]:
 
 def recipe_for(name: str, s: Shapes) -> Optional[Recipe]:
     """Recipe for a full megatron parameter name (global layer index); None: not in HF."""
+    P = s.hf_prefix
     if name == "embedding.word_embeddings.weight":
-        return Recipe(["model.embed_tokens.weight"], lambda t: pad_vocab(t[0], s), lambda t: [t[: s.vocab_size]])
+        return Recipe([P + "embed_tokens.weight"], lambda t: pad_vocab(t[0], s), lambda t: [t[: s.vocab_size]])
     if name == "output_layer.weight":
         if s.tie:
             return None
         return Recipe(["lm_head.weight"], lambda t: pad_vocab(t[0], s), lambda t: [t[: s.vocab_size]])
     if name == "decoder.final_layernorm.weight":
-        return Recipe(["model.norm.weight"], lambda t: t[0], lambda t: [t])
+        return Recipe([P + "norm.weight"], lambda t: t[0], lambda t: [t])
     if name.startswith("decoder.layers."):
         i, suffix = name[len("decoder.layers."):].split(".", 1)
-        return _layer_recipe(suffix, f"model.layers.{int(i)}.", s)
+        return _layer_recipe(suffix, f"{P}layers.{int(i)}.", s)
     if name.startswith("mtp.layers."):
         k, suffix = name[len("mtp.layers."):].split(".", 1)
         k = int(k)
+        if k >= s.mtp_modules:
+            return None
         if s.mtp_layout == "deepseek":
-            base = f"model.layers.{s.num_layers + k}."
+            base = f"{P}layers.{s.num_layers + k}."
             heads = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
                      "eh_proj.weight": "eh_proj.weight", "final_layernorm.weight": "shared_head.norm.weight"}
             layer_prefix = base
@@ -153,7 +233,11 @@ def recipe_for(name: str, s: Shapes) -> Optional[Recipe]:
 
 def hf_config(s: Shapes, arch: str, rope_theta: float, norm_eps: float, max_pos: int,
               eos_token_id: Optional[int] = None) -> dict:
-    """config.json for the HF export (transformers' Qwen2/Qwen3 fields + the MTP layout)."""
+    """config.json for the HF export (transformers' Qwen2/Qwen3/Qwen3.5 fields + the MTP layout).
+    MTP: DeepSeek layout declares ``num_nextn_predict_layers`` modules (1 when recurrent: the one
+    module is run for every draft step), the Qwen3-Next layout ``mtp_num_hidden_layers: 1``."""
+    if s.hybrid:
+        return _hybrid_hf_config(s, rope_theta, norm_eps, max_pos, eos_token_id)
     cls = "Qwen3ForCausalLM" if arch == "qwen3" else "Qwen2ForCausalLM"
     cfg = {
         "architectures": [cls], "model_type": arch, "vocab_size": s.vocab_size, "hidden_size": s.hidden_size,
@@ -164,9 +248,33 @@ def hf_config(s: Shapes, arch: str, rope_theta: float, norm_eps: float, max_pos:
         "tie_word_embeddings": s.tie, "attention_bias": s.qkv_bias, "torch_dtype": "float32",
         "eos_token_id": eos_token_id, "bebop_mtp_hidden": "normed",
     }
+    _mtp_keys(cfg, s)
+    return cfg
+
+
+def _mtp_keys(cfg: dict, s: Shapes) -> None:
     if s.mtp_layers:
         if s.mtp_layout == "deepseek":
-            cfg["num_nextn_predict_layers"] = s.mtp_layers
+            cfg["num_nextn_predict_layers"] = s.mtp_modules
         else:
             cfg["mtp_num_hidden_layers"] = 1
+        cfg["bebop_mtp_draft_steps"] = s.mtp_layers  # γ the module was trained for
+
+
+def _hybrid_hf_config(s: Shapes, rope_theta: float, norm_eps: float, max_pos: int, eos_token_id) -> dict:
+    """transformers' ``Qwen3_5TextConfig`` (text-only ``Qwen3_5ForCausalLM``)."""
+    dk, dv, nk, nv, conv = s.linear
+    cfg = {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": s.vocab_size,
+        "hidden_size": s.hidden_size, "intermediate_size": None, "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_groups, "head_dim": s.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta,
+                            "partial_rotary_factor": s.rotary_factor},
+        "tie_word_embeddings": s.tie, "attention_bias": s.qkv_bias, "torch_dtype": "float32",
+        "layer_types": list(s.layer_types), "linear_conv_kernel_dim": conv, "linear_key_head_dim": dk,
+        "linear_value_head_dim": dv, "linear_num_key_heads": nk, "linear_num_value_heads": nv,
+        "eos_token_id": eos_token_id, "bebop_mtp_hidden": "normed",
+    }
+    _mtp_keys(cfg, s)
     return cfg

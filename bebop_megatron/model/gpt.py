@@ -55,11 +55,18 @@ class BebopGPTModel(GPTModel):
         mtp_detach_trunk: bool = True,
         true_vocab_size: Optional[int] = None,
         fp8_mtp: bool = True,
+        mtp_recurrent: bool = False,
         **kwargs,
     ):
+        if mtp_recurrent and kwargs.get("mtp_block_spec") is not None:
+            from bebop_megatron.model.recurrent_mtp import one_layer_block_spec
+
+            # GPTModel builds a plain one-layer block from this; it is replaced below
+            kwargs["mtp_block_spec"] = one_layer_block_spec(kwargs["mtp_block_spec"])
         super().__init__(*args, **kwargs)
-        if self.mtp_process and self.config.fp8 and not fp8_mtp:
-            self._rebuild_mtp_without_fp8(kwargs.get("vp_stage"))
+        self.mtp_recurrent = mtp_recurrent
+        if self.mtp_process and (mtp_recurrent or (self.config.fp8 and not fp8_mtp)):
+            self._rebuild_mtp(kwargs.get("vp_stage"), fp8=fp8_mtp or not self.config.fp8)
         self.mtp_loss_type = mtp_loss
         self.mtp_detach_trunk = mtp_detach_trunk
         self.true_vocab_size = true_vocab_size
@@ -78,17 +85,24 @@ class BebopGPTModel(GPTModel):
             # its own sharded_state_dict asserts the weight is absent: drop the dead parameter.
             self.output_layer.weight = None
 
-    def _rebuild_mtp_without_fp8(self, vp_stage) -> None:
-        """Keep the MTP layers in bf16 under an FP8 trunk: megatron-core 0.16.1 runs them in the
-        global FP8 context whenever ``config.fp8`` is set, and FP8 noise in the draft heads costs
-        acceptance. The block is rebuilt from a config copy with FP8 off (its own fp8 checks then
-        give a null context; the trunk keeps FP8)."""
+    def _rebuild_mtp(self, vp_stage, fp8: bool) -> None:
+        """Rebuild the MTP block that ``GPTModel`` made:
+
+        * recurrent MTP (``mtp_recurrent``): a :class:`RecurrentMultiTokenPredictionBlock`, one
+          layer applied γ times (megatron-core 0.17's ``mtp_use_repeated_layer``);
+        * ``fp8=False``: keep the MTP layers in bf16 under an FP8 trunk. megatron-core 0.16.1 runs
+          them in the global FP8 context whenever ``config.fp8`` is set, and FP8 noise in the draft
+          heads costs acceptance; the block is rebuilt from a config copy with FP8 off (its own fp8
+          checks then give a null context; the trunk keeps FP8)."""
         import dataclasses
 
         from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
-        bf16_config = dataclasses.replace(self.config, fp8=None)
-        self.mtp = MultiTokenPredictionBlock(config=bf16_config, spec=self.mtp_block_spec, vp_stage=vp_stage)
+        from bebop_megatron.model.recurrent_mtp import RecurrentMultiTokenPredictionBlock
+
+        config = self.config if fp8 else dataclasses.replace(self.config, fp8=None)
+        cls = RecurrentMultiTokenPredictionBlock if self.mtp_recurrent else MultiTokenPredictionBlock
+        self.mtp = cls(config=config, spec=self.mtp_block_spec, vp_stage=vp_stage)
 
     # ------------------------------------------------------------------ helpers
     def _no_grad_embedding(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
@@ -253,6 +267,10 @@ def build_transformer_config(cfg: Config, platform: Platform, use_te: bool,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    if m.hybrid:
+        from bebop_megatron.model.qwen3_5 import hybrid_config_kwargs
+
+        kwargs.update(hybrid_config_kwargs(m))
     if m.fp8:
         kwargs.update(
             fp8=m.fp8,
@@ -271,9 +289,15 @@ def build_model(cfg: Config, platform: Platform, initialize: bool = True) -> Beb
 
     use_te = use_transformer_engine(cfg.model)
     tconf = build_transformer_config(cfg, platform, use_te, initialize)
-    layer_spec = build_layer_spec(cfg.model, use_te)
-    mtp_spec = build_mtp_block_spec(tconf, layer_spec, use_te)
     m = cfg.model
+    if m.hybrid:
+        from bebop_megatron.model.qwen3_5 import build_hybrid_block_spec, build_hybrid_mtp_block_spec
+
+        layer_spec = build_hybrid_block_spec(m, tconf, use_te)
+        mtp_spec = build_hybrid_mtp_block_spec(tconf, use_te)
+    else:
+        layer_spec = build_layer_spec(cfg.model, use_te)
+        mtp_spec = build_mtp_block_spec(tconf, layer_spec, use_te)
     model = BebopGPTModel(
         config=tconf,
         transformer_layer_spec=layer_spec,
@@ -284,14 +308,20 @@ def build_model(cfg: Config, platform: Platform, initialize: bool = True) -> Beb
         share_embeddings_and_output_weights=m.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=m.rotary_base,
+        rotary_percent=m.partial_rotary_factor,
         mtp_block_spec=mtp_spec,
         mtp_loss=cfg.mtp.loss,
         mtp_detach_trunk=cfg.mtp.detach_trunk,
         true_vocab_size=m.vocab_size,
         fp8_mtp=m.fp8_mtp,
+        mtp_recurrent=m.mtp_recurrent,
     )
     if not initialize:
         from bebop_megatron.model.tp_layout import ensure_tp_attributes
 
         ensure_tp_attributes(model)
+    if m.hybrid:
+        from bebop_megatron.model.qwen3_5 import tag_gdn_tp_sections
+
+        tag_gdn_tp_sections(model)
     return model.to(platform.device)

@@ -5,7 +5,10 @@ megatron-core tags each TP-split parameter with ``tensor_model_parallel=True`` a
 layer; 1 for row-parallel weights). The one exception to "contiguous chunk along
 partition_dim" is the gated MLP's ``linear_fc1`` ([gate; up] stacked): each rank holds
 [gate_r; up_r], so gate and up are chunked separately. ``linear_qkv`` is already laid out per
-query group ([q.., k, v] per group), so a contiguous chunk is a whole set of groups.
+query group ([q.., k, v] per group; with an attention output gate [q.., gate.., k, v]), so a
+contiguous chunk is a whole set of groups. Gated DeltaNet's ``in_proj`` ([q, k, v, z, β, α]) and
+``conv1d`` ([q, k, v]) generalise the fc1 case: parameters tagged with ``tp_sections`` (full
+section sizes, see ``model/qwen3_5.py``) are chunked section by section.
 """
 
 from __future__ import annotations
@@ -21,6 +24,20 @@ def _is_gated_fc1(name: str, gated: bool) -> bool:
     return gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
 
 
+def _sections(name: str, local: Tensor, gated: bool):
+    """Full-size sections that are TP-split separately (None: one contiguous split)."""
+    secs = getattr(local, "tp_sections", None)
+    if secs is not None:
+        return list(secs)
+    if _is_gated_fc1(name, gated):
+        return 2  # [gate; up], equal halves
+    return None
+
+
+def _split_sections(t: Tensor, secs, dim: int) -> list[Tensor]:
+    return list(torch.chunk(t, secs, dim)) if isinstance(secs, int) else list(torch.split(t, secs, dim))
+
+
 def shard_tensor(name: str, full: Tensor, local: Tensor, tp_rank: int, tp_size: int, gated: bool) -> Tensor:
     """This rank's shard of ``full`` for a parameter shaped like ``local``."""
     if not getattr(local, "tensor_model_parallel", False) or tp_size == 1:
@@ -28,9 +45,12 @@ def shard_tensor(name: str, full: Tensor, local: Tensor, tp_rank: int, tp_size: 
             raise ValueError(f"{name}: full shape {tuple(full.shape)} != local {tuple(local.shape)}")
         return full
     dim = local.partition_dim
-    if _is_gated_fc1(name, gated):
-        gate, up = torch.chunk(full, 2, dim=dim)
-        shard = torch.cat([torch.chunk(gate, tp_size, dim)[tp_rank], torch.chunk(up, tp_size, dim)[tp_rank]], dim)
+    secs = _sections(name, local, gated)
+    if secs is not None:
+        parts = _split_sections(full, secs, dim)
+        if any(p.shape[dim] % tp_size for p in parts):
+            raise ValueError(f"{name}: sections {[p.shape[dim] for p in parts]} not divisible by TP {tp_size}")
+        shard = torch.cat([torch.chunk(p, tp_size, dim)[tp_rank] for p in parts], dim)
     else:
         if full.shape[dim] % tp_size:
             raise ValueError(f"{name}: dim {dim} of size {full.shape[dim]} not divisible by TP {tp_size}")
@@ -48,9 +68,11 @@ def gather_tensor(name: str, local: Tensor, tp_group, gated: bool) -> Tensor:
     dim = local.partition_dim
     parts = [torch.empty_like(local) for _ in range(tp_size)]
     dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
-    if _is_gated_fc1(name, gated):
-        halves = [torch.chunk(p, 2, dim=dim) for p in parts]
-        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    secs = _sections(name, local, gated)
+    if secs is not None:
+        local_secs = secs if isinstance(secs, int) else [n // tp_size for n in secs]
+        split = [_split_sections(p, local_secs, dim) for p in parts]
+        return torch.cat([torch.cat([sp[i] for sp in split], dim) for i in range(len(split[0]))], dim)
     return torch.cat(parts, dim=dim)
 
 
@@ -86,7 +108,7 @@ def gather_full(model, tensors: dict[str, Tensor] | None = None) -> dict[str, Te
 
 def _with_tp_attrs(t: Tensor, p: Tensor) -> Tensor:
     t = t.detach()
-    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "tp_sections"):
         if hasattr(p, attr):
             setattr(t, attr, getattr(p, attr))
     return t
