@@ -51,7 +51,7 @@ def load_state(ckpt):
 
 def test_train_mtp_raises_acceptance_and_only_touches_mtp(tmp_path):
     out = tmp_path / "run"
-    proc = train(out, "train.trunk_warmup_steps=120", "train.steps=80", "train.lr=0.003")
+    proc = train(out, "train.trunk_warmup_steps=120", "train.steps=80", "train.lr=0.003", "mtp.warmup_steps=40")
     assert "MTP training done" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     first, last = summary["mtp"]["first"], summary["mtp"]["last"]
