@@ -205,6 +205,10 @@ class RLConfig:
     kl_coef: float = 0.0  # > 0: k3 KL to the initial policy (a frozen reference copy)
     tis_cap: float = 2.0  # truncated importance sampling cap (rollout vs trainer log-probs); 0: off
     normalize_adv_std: bool = True
+    # PPO as slime/verl run it: the rollout batch is split into num_minibatches optimizer steps, repeated
+    # ppo_epochs times; old (proximal) log-probs come from a forward-only pass before the first one
+    num_minibatches: int = 1
+    ppo_epochs: int = 1
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_filter: bool = False  # no loss on samples cut at max_new_tokens
     # ---- MTP heads during RL
@@ -212,7 +216,8 @@ class RLConfig:
     online_mtp_loss: str = "e2e_tv"  # objective for mtp_strategy=online
     growmtp_topk: int = 8  # target distribution recorded by the verifier as top-k + residual
     occ_lambda: float = 1.0
-    occ_ema: float = 0.9  # smoothing of the online-calibrated coefficient across steps
+    occ_ema: float = 0.9  # smoothing of the fallback coefficient (used before the policy has moved) across steps
+    occ_max: float = 10.0  # |coefficient| bound (the proxy is a ratio of small differences)
     # ---- entropy control
     entropy_control: str = "none"  # none | entrocraft
     entrocraft_low: list = field(default_factory=lambda: [0.6, 0.4])  # band low: start -> end
@@ -428,7 +433,8 @@ class Config:
         for name in ("steps", "max_staleness", "eval_prompts", "save_interval", "exit_interval"):
             if getattr(r, name) < 0:
                 errors.append(f"rl.{name} must be >= 0")
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "num_local_servers", "growmtp_topk"):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "num_local_servers", "growmtp_topk",
+                     "num_minibatches", "ppo_epochs"):
             if getattr(r, name) < 1:
                 errors.append(f"rl.{name} must be >= 1")
         if r.group_size < 2:
@@ -450,9 +456,9 @@ class Config:
         dp = 1
         if world_size is not None and world_size % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0:
             dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
-        if samples % (p.micro_batch_size * dp):
+        if samples % (p.micro_batch_size * dp * max(r.num_minibatches, 1)):
             errors.append(f"rl.prompts_per_step*rl.group_size = {samples} samples per step not divisible by "
-                          f"micro_batch_size*DP = {p.micro_batch_size}*{dp}")
+                          f"micro_batch_size*DP*rl.num_minibatches = {p.micro_batch_size}*{dp}*{r.num_minibatches}")
         return errors
 
 

@@ -64,7 +64,9 @@ def load_tokenizer(spec: str):
 
 def synthetic_problem(rng: random.Random, task: str = "mixed") -> tuple[str, str]:
     """One verifiable (prompt, answer) pair: arithmetic, sorting or counting (``task``: one of them,
-    ``mixed`` for all three, or a comma list such as ``counting,sorting``)."""
+    ``mixed`` for all three, or a comma list such as ``counting,sorting``), or ``worked`` (multi-term
+    addition with every partial sum written out: long answers of varied length, for rollout-bound
+    RL jobs; not part of ``mixed``)."""
     if task == "mixed":
         kind = rng.choice(["arithmetic", "sorting", "counting"])
     elif "," in task:
@@ -79,6 +81,15 @@ def synthetic_problem(rng: random.Random, task: str = "mixed") -> tuple[str, str
     if kind == "sorting":
         xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
         return "sort " + " ".join(map(str, xs)) + ":", " ".join(map(str, sorted(xs)))
+    if kind == "worked":
+        # worked multi-term addition: the answer shows every partial sum, so its length (about 20 to 90
+        # characters) varies with the number of terms; a rollout batch gets a long tail (issue #12)
+        terms = [rng.randint(10, 99) for _ in range(rng.randint(3, 9))]
+        steps, acc = [], terms[0]
+        for t in terms[1:]:
+            steps.append(f"{acc}+{t}={acc + t}")
+            acc += t
+        return "add " + " ".join(map(str, terms)) + ":", ",".join(steps)
     if kind == "counting":
         letters = "".join(rng.choice("abc") for _ in range(rng.randint(3, 8)))
         target = rng.choice("abc")

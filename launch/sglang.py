@@ -20,6 +20,10 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bebop_megatron.rollout.protocol import server_command  # noqa: E402
 
 REJECTION_FLAG = "--speculative-use-rejection-sampling"
 
@@ -38,23 +42,9 @@ def build_command(model_path: str, gamma: int, port: int = 30000, host: str = "1
                   api_key: str | None = None, extra: list[str] | None = None) -> list[str]:
     if gamma < 1:
         raise ValueError("gamma (speculative steps) must be >= 1")
-    if algorithm.upper() not in ("NEXTN", "EAGLE"):
-        raise ValueError("algorithm must be NEXTN or EAGLE (MTP heads)")
-    extra = list(extra or [])
-    for flag in ("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc"):
-        if flag in extra:
-            raise ValueError(f"{flag} must stay at 1.0 (lower thresholds are lossy)")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-           "--port", str(port), "--tp-size", str(tp), "--trust-remote-code",
-           "--speculative-algorithm", algorithm.upper(), "--speculative-num-steps", str(gamma),
-           "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(gamma + 1)]
-    if REJECTION_FLAG in help_text:
-        cmd.append(REJECTION_FLAG)
-    if mem_fraction is not None:
-        cmd += ["--mem-fraction-static", str(mem_fraction)]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    return cmd + extra
+    return server_command(None, "sglang", model_path=model_path, port=port, host=host, gamma=gamma, tp=tp,
+                          algorithm=algorithm, rejection_flag=REJECTION_FLAG in help_text, mem_fraction=mem_fraction,
+                          api_key=api_key, extra=list(extra or []))
 
 
 def main(argv=None) -> int:

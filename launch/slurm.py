@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bebop_megatron.config import Config, ConfigError  # noqa: E402
+from bebop_megatron.rollout.protocol import server_command  # noqa: E402
 
 PASS_THROUGH = ("NCCL_", "UCX_", "FI_", "TORCH_NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS")
 
@@ -71,26 +72,11 @@ def expand_nodelist(spec: str) -> list[str]:
 
 
 def rollout_command(cfg: Config, port: int) -> list[str]:
-    ln, m = cfg.launch, cfg.model
-    model_path = "$ROLLOUT_MODEL"
-    if ln.rollout_engine == "sglang":
-        cmd = ["python", "-m", "sglang.launch_server", "--model-path", model_path, "--host", "0.0.0.0",
-               "--port", str(port), "--tp-size", str(ln.rollout_tp), "--trust-remote-code",
-               "--mem-fraction-static", str(ln.rollout_mem_fraction)]
-        if cfg.rl.speculative and cfg.rl.mtp_strategy != "none":
-            cmd += ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(m.mtp_num_layers),
-                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(m.mtp_num_layers + 1)]
-            if cfg.rl.verify == "rejection":
-                cmd.append("--speculative-use-rejection-sampling")
-    else:
-        cmd = ["python", "-m", "bebop_megatron.cli", "serve", "--model-path", model_path, "--host", "0.0.0.0",
-               "--port", str(port), "--dtype", "bfloat16"]
-        if cfg.rl.speculative and cfg.rl.mtp_strategy != "none":
-            cmd += ["--speculative-algorithm", "MTP", "--speculative-num-steps", str(m.mtp_num_layers),
-                    "--speculative-verify", cfg.rl.verify]
-    if cfg.rl.api_key:
-        cmd += ["--api-key", "$BEBOP_API_KEY"]
-    return cmd
+    ln = cfg.launch
+    engine = "sglang" if ln.rollout_engine == "sglang" else "bebop"
+    return server_command(cfg, engine, model_path="$ROLLOUT_MODEL", port=port, host="0.0.0.0", python="python",
+                          dtype=None if engine == "sglang" else "bfloat16",
+                          api_key="$BEBOP_API_KEY" if cfg.rl.api_key else None)
 
 
 def plan(cfg: Config, config_path: str, overrides: list[str], nodes: list[str]) -> list[Launch]:
@@ -121,8 +107,11 @@ def plan(cfg: Config, config_path: str, overrides: list[str], nodes: list[str]) 
             urls.append(f"http://127.0.0.1:{port}")
         trainer_gpus = first
     sets = list(overrides) + ["rl.servers=[" + ",".join(urls) + "]"]
-    if ln.rollout_nodes:
-        sets.append("rl.weight_sync=disk")  # a shared file system: one write, every server reads
+    if ln.rollout_nodes or ln.rollout_engine == "sglang":
+        # a shared file system: one write, every server reads. Also what a real SGLang needs on one
+        # node: our safetensors tensor payloads are a `bebop serve` extension (SGLang's own tensor
+        # route takes pickled CUDA-IPC handles, for co-located engines only)
+        sets.append("rl.weight_sync=disk")
     train_cmd = ["torchrun", "--nnodes", str(ln.trainer_nodes), "--nproc-per-node", str(trainer_gpus),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id", "$JOB_ID",
                  "-m", "bebop_megatron.cli", "rl", "--config", config_path]

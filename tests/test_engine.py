@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bebop_megatron.data import CharTokenizer
-from bebop_megatron.rollout.engine import Engine, RequestError, SamplingParams, SpecConfig
+from bebop_megatron.rollout.engine import Engine, RequestError, SamplingParams, SpecConfig, step_counts
 from bebop_megatron.rollout.modeling import CausalLMWithMTP, make_batch_index
 from bebop_megatron.rollout.sampling import SamplingTensors, process_logits
 from tests.tiny_models import make_hf_checkpoint
@@ -50,19 +50,25 @@ def full_mtp_distributions(model, tokens, gamma, st):
     return out
 
 
-@pytest.mark.parametrize("layout", ["deepseek", "qwen3_next"])
-def test_draft_distributions_equal_cache_free_recomputation(tmp_path, layout):
+@pytest.mark.parametrize("layout,gammas", [("deepseek", [3] * 6), ("qwen3_next", [3, 3, 1, 0, 0, 2, 1, 3])])
+def test_draft_distributions_equal_cache_free_recomputation(tmp_path, layout, gammas):
+    """The lean round (each depth once, extend fused with the draft) drafts exactly what a
+    cache-free megatron-style recomputation gives, also after rounds at a smaller γ (stale depths)."""
     make_hf_checkpoint(tmp_path, "qwen3", layout, num_mtp=3, scale=2.0)
     model = CausalLMWithMTP.from_pretrained(tmp_path, dtype=torch.float64)
     gamma = 3
-    eng = Engine(model, spec=SpecConfig("mtp", gamma, "rejection"), max_running=4, max_len=96)
+    eng = Engine(model, spec=SpecConfig("mtp", gamma, "rejection"), max_running=4, max_len=96,
+                 sampling_dtype=torch.float64)
     prompts = [[3, 4, 5, 6, 7], [9], [1, 2], [10, 11, 12, 13, 14, 15, 16, 17]]
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=60, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
-    for _ in range(6):
-        eng.step()
+    eng.step()  # prefill
+    for g in gammas:
+        (eng._speculative_round(reqs, g) if g else eng._plain_round(reqs))
     assert all(not r.finished for r in reqs) and all(r.verify_ct >= 4 for r in reqs)
     st = SamplingTensors.build([r.params for r in reqs])
-    drafts, q = eng._draft(reqs, st)
+    L = torch.tensor([len(r.tokens) for r in reqs])
+    u = torch.rand(len(reqs), gamma, dtype=torch.float64)
+    drafts, q = eng._draft(torch.tensor([r.slot for r in reqs]), L, st, gamma, u)
     for i, r in enumerate(reqs):
         L = len(r.tokens)
         seq = r.tokens + drafts[i, : gamma - 1].tolist()  # drafts stand in for the future tokens
@@ -152,3 +158,66 @@ def test_stops_eos_and_validation(tmp_path):
     assert eng.abort(r.rid) == 1
     eng.step()
     assert r.finish_reason["type"] == "abort" and len(eng.free_slots) == 2
+
+
+
+def test_step_counts_rule():
+    # all 3 drafts accepted, the first is a stop token: 1 draft could be emitted, it was accepted
+    assert step_counts(3, 3, 1, 40, 1) == (1, 1, 1)
+    # 2 tokens left before the length limit: drafts 3.. could never be emitted
+    assert step_counts(3, 3, 2, 2, None) == (2, 2, 2)
+    # draft 2 rejected: 3 proposed, 1 accepted, depths 1 and 2 reached
+    assert step_counts(3, 1, 2, 40, None) == (3, 1, 2)
+    # the resampled token (not a draft) is a stop: all drafts could have been emitted
+    assert step_counts(3, 0, 1, 40, None) == (3, 0, 1)
+
+
+def test_acceptance_metric_counts_only_drafts_that_could_be_emitted(qwen3_dir):
+    """Short answers ending in a stop token (or at the length limit) do not lower the acceptance
+    rate: seeded runs that stop early are prefixes of the long run (randomness is per request and round), and their counters equal the
+    long run's over the same verify steps minus only the drafts that could never be emitted."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    prompts = [[i % 60 + 1, (7 * i) % 60 + 2, 3] for i in range(8)]
+    g = 3
+
+    def run(**kw):
+        eng = Engine(model, spec=SpecConfig("mtp", g, "rejection"), max_running=8, max_len=96)
+        reqs = [eng.add_request(p, SamplingParams(temperature=1.0, seed=i, **kw), spec_record_topk=1)
+                for i, p in enumerate(prompts)]
+        while not all(r.finished for r in reqs):
+            eng.step()
+        return eng, reqs
+
+    eng, long = run(max_new_tokens=30, ignore_eos=True)
+    for e, reqs in [(eng, long)] + [run(max_new_tokens=30, stop_token_ids=[long[i].output_ids[5 + i]]) for i in (0, 1)] \
+            + [run(max_new_tokens=n, ignore_eos=True) for n in (4, 7)]:
+        st = e.stats()
+        assert st["spec_verify_ct"] == sum(r.verify_ct for r in reqs) > 0
+        # every output token but the prefill's comes from a verify step
+        assert sum(r.verify_tokens for r in reqs) == sum(len(r.output_ids) - 1 for r in reqs)
+        assert abs(st["avg_spec_accept_length"] - sum(len(r.output_ids) - 1 for r in reqs) / st["spec_verify_ct"]) < 1e-12
+        assert st["spec_accepted_drafts"] == sum(r.accepted for r in reqs) == sum(st["spec_accepted_per_depth"])
+        for r, ref in zip(reqs, long):
+            assert r.output_ids == ref.output_ids[: len(r.output_ids)]
+            n = r.verify_ct
+            # the same steps as the long run, the last one possibly cut short
+            assert [x["accepted"] for x in r.spec_records[:-1]] == [x["accepted"] for x in ref.spec_records[: max(n - 1, 0)]]
+            assert r.accepted_per_depth[0] <= r.reached_per_depth[0] == n
+            if r is ref:
+                assert r.proposed == g * n - sum(max(0, g - (30 - 1 - sum(y["accepted"] + 1 for y in r.spec_records[:j])))
+                                                 for j in range(n))
+            # proposed = Σ over steps of the drafts that could still be emitted
+            cnt, prop = 1, 0
+            stops = set(r.params.stop_token_ids)
+            for x in r.spec_records:
+                acc = x["accepted"]
+                emit = min(acc + 1, len(r.output_ids) - cnt)
+                stop_at = next((j for j in range(1, min(acc, emit) + 1) if r.output_ids[cnt + j - 1] in stops), None)
+                prop += step_counts(g, acc, emit, r.params.max_new_tokens - cnt, stop_at)[0]
+                cnt += emit
+            assert cnt == len(r.output_ids) and prop == r.proposed
+            # long-run acceptance over the same steps, drafts that could be emitted only
+            for k in range(g - 1):
+                assert r.reached_per_depth[k + 1] <= r.accepted_per_depth[k]
+    assert eng.stats()["spec_accepted_drafts"] > 0

@@ -148,7 +148,7 @@ def test_rl_improves_reward_on_synthetic_task(tmp_path):
     assert sft.returncode == 0, sft.stderr[-3000:]
     r = bebop_rl(tiny, f"rl.init={tmp_path / 'sft'}", f"rl.output_dir={tmp_path / 'rl'}", "train.progress=false",
                  "rl.task=counting", "rl.steps=24", "rl.lr=0.0005", "rl.save_interval=24", "rl.eval_prompts=16",
-                 "rl.mtp_strategy=none", "rl.bench_speculation=false", timeout=900)
+                 "rl.mtp_strategy=none", "rl.bench_speculation=false", "rl.num_minibatches=1", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(tmp_path / "rl")
     assert sum(x["rollout/reward"] for x in rows[:8]) / 8 > 0.05  # the warm-up gives a non-zero start

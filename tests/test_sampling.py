@@ -12,6 +12,7 @@ from bebop_megatron.rollout.sampling import (
     expected_tokens_per_step,
     process_logits,
     sample_rows,
+    sample_with_uniform,
     verify_chain,
 )
 
@@ -198,3 +199,78 @@ def test_tokens_per_step_bound():
     assert expected_tokens_per_step(0.0, 3) == 1.0
     assert expected_tokens_per_step(1.0, 3) == 4.0
     assert abs(expected_tokens_per_step(0.5, 2) - 1.75) < 1e-12
+
+
+def _fast_rounds(toy, start, n_tokens, mode, N, seed):
+    """The engine's fast path, vectorised over N independent requests: float32 distributions,
+    all of a round's uniforms drawn at once ([N, 2γ+1]), drafts by inverse CDF, verify_chain with
+    uniforms. Returns [N, n_tokens] emitted tokens and the per-depth (accepted, reached) counts."""
+    g, V = toy.gamma, toy.V
+    T = toy.T.float()
+    Q = [q.float() for q in toy.Q]
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.full((N, n_tokens), -1, dtype=torch.long)
+    filled = torch.zeros(N, dtype=torch.long)
+    prev = torch.full((N,), start, dtype=torch.long)
+    acc = torch.zeros(g)
+    reach = torch.zeros(g)
+    rows = torch.arange(N)
+    while bool((filled < n_tokens).any()):
+        u = torch.rand(N, 2 * g + 1, generator=gen).float()
+        drafts, qs, ctx = [], [], prev
+        for k in range(g):
+            q = Q[k][ctx]
+            d = sample_with_uniform(q, u[:, k]) if mode == "rejection" else q.argmax(-1)
+            drafts.append(d)
+            qs.append(q)
+            ctx = d
+        D = torch.stack(drafts, 1)
+        P = torch.stack([T[prev]] + [T[D[:, k]] for k in range(g)], 1)
+        res = verify_chain(P, torch.stack(qs, 1), D, mode, uniforms=u[:, g:])
+        m = res.num_accepted
+        live = filled < n_tokens
+        for k in range(g):
+            reach[k] += (live & (m >= k)).sum()
+            acc[k] += (live & (m > k)).sum()
+        em = torch.cat([D, torch.zeros_like(D[:, :1])], 1)
+        em[rows, m] = res.next_token
+        for j in range(g + 1):
+            put = live & (j <= m) & (filled < n_tokens)
+            out[rows[put], filled[put]] = em[put, j]
+            filled = filled + put.long()
+        prev = torch.where(live, res.next_token, prev)
+    return out, acc, reach
+
+
+@pytest.mark.parametrize("mode", ["rejection", "target_only"])
+def test_fast_path_joint_law_and_acceptance(mode):
+    """float32 fast path (one draw of uniforms per request and round): chi-square on the joint law
+    of 3 tokens, and per-depth acceptance of depth 1 within 4 sigma of Σ min(p, q) / p(argmax q)."""
+    toy = ToyLM()
+    V, start, N = toy.V, 2, 30000
+    out, acc, reach = _fast_rounds(toy, start, 3, mode, N, seed=11)
+    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V ** 3).double()
+    exact = (toy.T[start].view(V, 1, 1) * toy.T.view(V, V, 1) * toy.T.unsqueeze(0)).flatten()
+    assert chi2_pvalue(counts, exact) > 1e-4
+    # first round: context `start` for every row
+    out1, acc1, reach1 = _fast_rounds(toy, start, 1, mode, N, seed=12)
+    p, q = toy.T[start], toy.Q[0][start]
+    expected = torch.minimum(p, q).sum().item() if mode == "rejection" else p[q.argmax()].item()
+    rate = (acc1[0] / reach1[0]).item()
+    assert abs(rate - expected) < 4 * math.sqrt(expected * (1 - expected) / N), (rate, expected)
+
+
+def test_fast_path_greedy_rows_are_argmax():
+    """Temperature-0 rows in the fast path: one-hot p and q make rejection sampling argmax decoding."""
+    logits = torch.randn(64, 4, 9)
+    st = SamplingTensors.build([SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0)] * 64 * 4)
+    p = process_logits(logits.view(-1, 9), st, torch.float32).view(64, 4, 9)
+    qlog = torch.randn(64, 3, 9)
+    st3 = SamplingTensors.build([SimpleNamespace(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0)] * 64 * 3)
+    q = process_logits(qlog.view(-1, 9), st3, torch.float32).view(64, 3, 9)
+    u = torch.rand(64, 7)
+    d = torch.stack([sample_with_uniform(q[:, k], u[:, k]) for k in range(3)], 1)
+    assert torch.equal(d, qlog.argmax(-1))
+    res = verify_chain(p, q, d, "rejection", uniforms=u[:, 3:])
+    ref = verify_chain(p.double(), q.double(), d, "greedy")
+    assert torch.equal(res.num_accepted, ref.num_accepted) and torch.equal(res.next_token, ref.next_token)

@@ -57,19 +57,33 @@ def test_generate_matches_engine_and_reports_spec_metrics(server, ckpts):
     assert m["spec_verify_ct"] >= 1 and abs(m["spec_accept_length"] - 16 / m["spec_verify_ct"]) < 1e-9
     for a, b in [("spec_num_correct_drafts", "spec_num_proposed_drafts"), ("spec_accepted_drafts", "spec_proposed_drafts"),
                  ("spec_accept_token_num", "spec_draft_token_num")]:
-        assert m[a] == m["spec_num_correct_drafts"] and m[b] == 3 * m["spec_verify_ct"]
+        # proposed: drafts that could still be emitted (the engine's acceptance metric), at most γ per verify
+        assert m[a] == m["spec_num_correct_drafts"] and m[b] == m["spec_num_proposed_drafts"]
+    assert m["spec_num_correct_drafts"] <= m["spec_num_proposed_drafts"] <= 3 * m["spec_verify_ct"]
     assert sum(m["spec_accepted_per_depth"][:1]) == m["spec_accepted_per_depth"][0]
 
 
 def test_batches_n_rid_and_stream(server):
+    # SGLang: every prompt of a batch uses the same n; duplicate rids are refused
+    mixed = server.post("/generate", {"input_ids": [[5, 6, 7], [8, 9]],
+                                      "sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 5, "n": 3}]})
+    assert mixed.status_code == 400 and "same n" in mixed.json()["error"]["message"]
+    dup = server.post("/generate", {"input_ids": [[5, 6, 7], [8, 9]], "rid": ["x", "x"]})
+    assert dup.status_code == 400 and "duplicate" in dup.json()["error"]["message"]
     r = server.post("/generate", {"input_ids": [[5, 6, 7], [8, 9]],
                                   "sampling_params": [{"max_new_tokens": 4, "temperature": 0},
-                                                      {"max_new_tokens": 5, "temperature": 1.0, "n": 3, "seed": 1, "ignore_eos": True}],
+                                                      {"max_new_tokens": 5, "temperature": 1.0, "seed": 1, "ignore_eos": True}],
                                   "rid": ["a", "b"]})
     assert r.status_code == 200, r.text
-    outs = r.json()
-    assert len(outs) == 4 and [o["meta_info"]["id"] for o in outs] == ["a", "b-0", "b-1", "b-2"]
-    assert [len(o["output_ids"]) for o in outs] == [4, 5, 5, 5]
+    assert [o["meta_info"]["id"] for o in r.json()] == ["a", "b"]
+    outs = r.json()[:1]
+    r = server.post("/generate", {"input_ids": [8, 9], "rid": "b",
+                                  "sampling_params": {"max_new_tokens": 5, "n": 3, "sampling_seed": 1, "ignore_eos": True}})
+    assert [o["meta_info"]["id"] for o in r.json()] == ["b-0", "b-1", "b-2"]
+    assert [len(o["output_ids"]) for o in r.json()] == [5, 5, 5]
+    # one rid string for a batch: rid_0, rid_1, ... (SGLang's _normalize_rid)
+    r = server.post("/generate", {"input_ids": [[5, 6], [8, 9]], "rid": "batch", "sampling_params": {"max_new_tokens": 2}})
+    assert [o["meta_info"]["id"] for o in r.json()] == ["batch_0", "batch_1"]
     with httpx.stream("POST", server.url + "/generate", headers=server.headers, timeout=60,
                       json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0},
                             "stream": True}) as resp:
@@ -230,3 +244,240 @@ def test_interrupted_sync_leaves_old_weights_and_versions_switch_atomically(ckpt
         assert after["output_ids"] == ref.output_ids and after["meta_info"]["weight_version"] == "v2"
     finally:
         s.stop()
+
+
+def _running(server):
+    st = server.get("/get_server_info").json()["internal_states"][0]
+    return st["num_running_reqs"] + st["num_waiting_reqs"], st["total_generated_tokens"]
+
+
+def _wait_idle(server, timeout=20.0):
+    import time
+
+    deadline = time.time() + timeout
+    while _running(server)[0]:
+        assert time.time() < deadline, "requests of a departed client kept running"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_its_requests(server):
+    """A client that leaves (non-streaming or streaming) has its requests aborted, instead of
+    generating to max_new_tokens for nobody."""
+    import time
+
+    _wait_idle(server)
+    long = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1800, "ignore_eos": True}}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/generate", json=long, headers=server.headers, timeout=1.0)
+    _wait_idle(server)
+    with httpx.stream("POST", server.url + "/generate", json={**long, "stream": True}, headers=server.headers,
+                      timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then leave
+    _wait_idle(server)
+    _, tokens = _running(server)
+    time.sleep(0.5)
+    assert _running(server)[1] == tokens  # nothing generating for departed clients
+
+
+def test_health_answers_while_the_engine_is_busy(server):
+    """The event loop never waits for the engine lock: /health stays fast with work in flight."""
+    import threading
+    import time
+
+    def busy():
+        server.post("/generate", {"input_ids": [[5, 6]] * 8, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
+
+    t = threading.Thread(target=busy)
+    t.start()
+    while _running(server)[0] == 0:
+        time.sleep(0.02)
+    lat = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        assert server.get("/health").status_code == 200
+        lat.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+    t0 = time.perf_counter()
+    assert server.post("/abort_request", {"abort_all": True}).status_code == 200
+    abort_s = time.perf_counter() - t0
+    t.join(60)
+    lat.sort()
+    assert lat[len(lat) // 2] < 0.2 and abort_s < 2.0, (lat, abort_s)
+
+
+def test_weight_update_from_odd_files_is_a_clean_400(server, tmp_path):
+    """Dangling/looping symlinks, a FIFO, a folder named *.safetensors, empty or corrupt files and
+    a 5,000-character path: a 400 each (a FIFO never freezes the server), old weights kept."""
+    import os
+
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    before = server.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": sp}).json()["output_ids"]
+    cases = {}
+    for name, make in {
+        "dangling": lambda d: (d / "m.safetensors").symlink_to(d / "missing.safetensors"),
+        "loop": lambda d: ((d / "a.safetensors").symlink_to(d / "b.safetensors"),
+                           (d / "b.safetensors").symlink_to(d / "a.safetensors")),
+        "fifo": lambda d: os.mkfifo(d / "model.safetensors"),
+        "folder": lambda d: (d / "x.safetensors").mkdir(),
+        "empty": lambda d: (d / "m.safetensors").write_bytes(b""),
+        "corrupt": lambda d: (d / "m.safetensors").write_bytes(b"\xff" * 64),
+        "none": lambda d: None,
+    }.items():
+        d = tmp_path / name
+        d.mkdir()
+        make(d)
+        cases[name] = str(d)
+    cases["long_path"] = "/" + "x" * 5000
+    cases["not_a_dir"] = str(tmp_path / "nothing_here")
+    for name, path in cases.items():
+        r = server.post("/update_weights_from_disk", {"model_path": path, "weight_version": "bad"}, timeout=30)
+        assert r.status_code == 400, (name, r.status_code, r.text[:300])
+        assert r.json()["success"] is False and r.json()["message"], name
+    after = server.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": sp}).json()
+    assert after["output_ids"] == before and after["meta_info"]["weight_version"] != "bad"
+
+
+def test_finite_check_after_cast_and_unsupported_dtypes(server, tmp_path):
+    """float64 1e300 becomes inf in the model's float32 -> 400 (the server runs float64 here, so
+    float32-overflowing values are checked on a float32 server below); float8 and int tensors -> 400."""
+    from safetensors.torch import save_file
+
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    before = server.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": sp}).json()["output_ids"]
+    for t in (torch.ones(48, dtype=torch.float8_e4m3fn), torch.ones(48, dtype=torch.int32)):
+        payload = base64.b64encode(save({"model.norm.weight": t})).decode()
+        r = server.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+        assert r.status_code == 400 and "dtype" in r.json()["message"], r.text
+        d = tmp_path / str(t.dtype).split(".")[-1]
+        d.mkdir()
+        save_file({"model.norm.weight": t}, str(d / "m.safetensors"))
+        r = server.post("/update_weights_from_disk", {"model_path": str(d)})
+        assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert server.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": sp}).json()["output_ids"] == before
+
+
+def test_finite_check_after_cast_on_a_float32_server(ckpts, tmp_path):
+    from safetensors.torch import save_file
+
+    s = ServerProcess(ckpts[0], "--dtype", "float32")
+    try:
+        sp = {"max_new_tokens": 8, "temperature": 0}
+        before = s.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": sp}).json()["output_ids"]
+        huge = torch.full((48,), 1e300, dtype=torch.float64)  # finite in float64, inf in float32
+        payload = base64.b64encode(save({"model.norm.weight": huge})).decode()
+        r = s.post("/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
+        assert r.status_code == 400 and "not finite" in r.json()["message"], r.text
+        save_file({"model.norm.weight": huge}, str(tmp_path / "m.safetensors"))
+        r = s.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
+        assert r.status_code == 400 and "not finite" in r.json()["message"], r.text
+        assert s.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": sp}).json()["output_ids"] == before
+        # a good update answers SGLang's shape
+        r = s.post("/update_weights_from_disk", {"model_path": str(ckpts[1]), "weight_version": "v1"})
+        assert r.status_code == 200, r.text
+        assert {"success", "message", "num_paused_requests"} <= set(r.json()) and r.json()["success"]
+    finally:
+        s.stop()
+
+
+def test_api_key_from_env_or_file(tmp_path, monkeypatch):
+    import argparse
+
+    from bebop_megatron.rollout.server import resolve_api_key
+
+    ns = lambda **kw: argparse.Namespace(**{"api_key": None, "api_key_file": None, **kw})  # noqa: E731
+    monkeypatch.delenv("BEBOP_API_KEY", raising=False)
+    assert resolve_api_key(ns()) is None
+    monkeypatch.setenv("BEBOP_API_KEY", "from-env")
+    assert resolve_api_key(ns()) == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert resolve_api_key(ns(api_key_file=str(f))) == "from-file"
+    assert resolve_api_key(ns(api_key="cli", api_key_file=str(f))) == "cli"
+    with pytest.raises(SystemExit):
+        resolve_api_key(ns(api_key_file=str(tmp_path / "missing")))
+
+
+def test_stop_trimming_and_sglang_request_shapes(server):
+    """no_stop_trim false (SGLang's default): the text excludes the matched stop, output_ids keep
+    it; GET /flush_cache; /abort_request without rid is a no-op 200; huge seeds are 400."""
+    tok = CharTokenizer()
+    base = server.post("/generate", {"text": "12+7=", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}).json()
+    text = base["text"]
+    stop = text[3:5]
+    assert stop
+    r = server.post("/generate", {"text": "12+7=", "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                       "stop": [stop]}}).json()
+    assert r["meta_info"]["finish_reason"]["type"] == "stop" and r["meta_info"]["finish_reason"]["matched"] == stop
+    assert stop not in r["text"] and r["text"] == text[: text.index(stop)]
+    assert tok.decode(r["output_ids"]).endswith(stop) or stop in tok.decode(r["output_ids"])
+    keep = server.post("/generate", {"text": "12+7=", "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                          "stop": [stop], "no_stop_trim": True}}).json()
+    assert keep["text"] == tok.decode(keep["output_ids"]) and stop in keep["text"]
+    # a stop token: excluded from the text, kept in output_ids
+    sid = base["output_ids"][2]
+    r = server.post("/generate", {"input_ids": tok.encode("12+7="), "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "stop_token_ids": [sid]}}).json()
+    assert r["output_ids"][-1] == sid and r["text"] == tok.decode(r["output_ids"][:-1])
+    assert server.get("/flush_cache").status_code == 200
+    assert server.post("/abort_request", {"abort_all": False}).status_code == 200
+    for sp in ({"seed": 2 ** 64}, {"sampling_seed": 2 ** 63}, {"top_k": 2 ** 63}, {"temperature": 10 ** 400}):
+        r = server.post("/generate", {"text": "1+1=", "sampling_params": sp})
+        assert r.status_code == 400 and "error" in r.json(), (sp, r.text)
+    r = server.post("/v1/completions", {"prompt": "1+1=", "max_tokens": 3, "seed": 99999999999999999999})
+    assert r.status_code == 400
+
+
+def test_sglang_info_routes_weight_version_and_accepted_params(server):
+    """#14 server gaps: SGLang's info routes, weight-version routes, and valid SGLang sampling
+    fields accepted (custom_params, stream_interval, zero logit_bias, return_text_in_logprobs)."""
+    mi = server.get("/model_info").json()
+    assert mi["is_generation"] and mi["model_type"] == "qwen3" and "weight_version" in mi
+    si = server.get("/server_info").json()
+    assert si["speculative_algorithm"] == "NEXTN" and si["speculative_eagle_topk"] == 1
+    assert si["speculative_num_draft_tokens"] == 4 and si["tp_size"] == si["dp_size"] == si["pp_size"] == 1
+    assert si["max_total_num_tokens"] > 0
+    assert server.get("/v1/models").json()["data"][0]["id"] == "bebop"
+    loads = server.get("/v1/loads").json()["loads"]
+    assert loads[0]["num_running_reqs"] >= 0 and loads[0]["dp_rank"] == 0
+    v0 = server.get("/get_weight_version").json()["weight_version"]
+    r = server.post("/update_weight_version", {"new_version": "manual-7"})
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Weight version updated to manual-7",
+                                                 "new_version": "manual-7"}
+    assert server.get("/get_weight_version").json()["weight_version"] == "manual-7"
+    server.post("/update_weight_version", {"new_version": v0})
+    sp = {"max_new_tokens": 6, "temperature": 0, "custom_params": {"return_top_p_token_ids": True},
+          "logit_bias": {"5": 0.0}, "stream_interval": 3}
+    r = server.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": sp, "return_logprob": True,
+                                  "return_text_in_logprobs": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    assert all(isinstance(txt, str) for _, _, txt in out["meta_info"]["output_token_logprobs"])
+    assert server.post("/generate", {"input_ids": [5], "sampling_params": {"logit_bias": {"5": 2.0}}}).status_code == 400
+    with httpx.stream("POST", server.url + "/generate", headers=server.headers, timeout=60,
+                      json={"input_ids": [5, 6, 7], "stream": True, "sampling_params": sp}) as resp:
+        events = [json.loads(l[6:]) for l in resp.iter_lines() if l.startswith("data: {")]
+    assert [len(e["output_ids"]) for e in events] == [3, 6] or len(events) <= 3, [len(e["output_ids"]) for e in events]
+    assert events[-1]["output_ids"] == out["output_ids"]
+
+
+def test_v1_completions_streaming(server):
+    body = {"prompt": "3*4=", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    full = server.post("/v1/completions", body).json()
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers, timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200
+        lines = [l[6:] for l in resp.iter_lines() if l.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(c) for c in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == full["choices"][0]["text"]
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and chunks[-1]["usage"]["prompt_tokens"] == 4
+    assert server.post("/v1/completions", {**body, "max_tokens": 0}).status_code == 400
+    # usage counts each prompt once with n > 1
+    r = server.post("/v1/completions", {"prompt": "3*4=", "max_tokens": 2, "n": 3}).json()
+    assert r["usage"]["prompt_tokens"] == 4 and r["usage"]["completion_tokens"] == 6 and len(r["choices"]) == 3

@@ -379,7 +379,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0.6,1.0,1.3")
     ap.add_argument("--eval-samples", type=int, default=32, help="held-out sequences / prompts per distribution")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: robust on a shared machine)")
     ap.add_argument("--out", default="outputs/bench_mtp_objectives")
     ap.add_argument("--json", default=None, help="records (default: <out>/records.json)")
     ap.add_argument("--plot", default=None, help="PNG (default: <out>/acceptance_vs_entropy.png)")

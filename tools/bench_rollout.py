@@ -1,13 +1,26 @@
 #!/usr/bin/env python
-"""Rollout speed, measured side by side in one run on the same model and prompts.
+"""Rollout speed, measured honestly: variants interleaved in one process on the same model and prompts.
 
-Rows: the embedded engine without speculation, with MTP drafts + rejection sampling, with MTP
-drafts + target-only verification; Hugging Face ``generate`` plain, and assisted (self-speculative
-early exit, and prompt lookup). Prints tokens/s as ratios to the plain engine, and the measured
-tokens per verify step next to the bound (1 - α^{γ+1}) / (1 - α) from the measured per-depth α.
+Variants (``--variants``): ``plain`` (engine, no speculation), ``mtp_rejection`` (MTP drafts +
+rejection sampling, fixed γ), ``mtp_target_only`` (MTP drafts + target-only verification),
+``adaptive`` (MTP + rejection sampling, γ chosen per round from measured cost and acceptance),
+``hf_generate`` (Hugging Face ``generate``, batched with left padding) and ``hf_assisted`` (HF
+assisted generation, self-speculative early exit; batch 1 in transformers, so run per prompt).
 
-    python tools/bench_rollout.py                         # the `make run` model (exported to HF first)
-    python tools/bench_rollout.py --model-path HF_DIR --batch 1 8 --max-new-tokens 64 --temperature 1.0
+For every batch size, each repetition runs every variant once, in turn (interleaved: a slow
+patch of a shared CPU hits all variants alike); the figures are medians over ``--reps`` (≥5)
+repetitions, in wall time and in CPU time (``time.process_time``). Engines are built and warmed
+up once per (variant, batch) and reused across repetitions, as a server would (the adaptive
+engine keeps what it measured). Torch runs with ``--threads`` threads (default 1).
+
+Prints tokens/s and the ratio to ``plain`` at the same batch, tokens per verify step (tokens
+emitted by verify steps / verify steps) next to the bound (1 - α^{γ+1}) / (1 - α) from the
+measured per-draft acceptance α (accepted / reached drafts, pooled over depths), and writes
+``--json PATH``: one record per (variant, batch) with ``variant``, ``batch``, ``tokens_per_s``,
+``speedup_vs_plain``, ``tokens_per_verify``, ``accept_rate`` (and more).
+
+    python tools/bench_rollout.py                          # the `make run` model (exported to HF first)
+    python tools/bench_rollout.py --model-path HF_DIR --batch 1 4 --reps 5 --json out.json
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +41,7 @@ from bebop_megatron.rollout.modeling import CausalLMWithMTP
 from bebop_megatron.rollout.sampling import expected_tokens_per_step
 
 DEFAULT_RUN = Path("outputs/train_mtp_tiny")
+VARIANTS = ("plain", "mtp_rejection", "mtp_target_only", "adaptive", "hf_generate", "hf_assisted")
 
 
 def default_model() -> Path:
@@ -45,100 +60,158 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [tok.encode(synthetic_problem(rng)[0]) for _ in range(n)]
 
 
-def run_engine(model, spec: SpecConfig, ps, batch, new_tokens, temperature) -> dict:
-    eng = Engine(model, CharTokenizer(), spec, max_running=batch, max_len=512)
-    sp = [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=i)
-          for i in range(len(ps))]
-    eng.generate(ps[:batch], sp[:batch])  # warm-up
-    eng = Engine(model, CharTokenizer(), spec, max_running=batch, max_len=512)
-    t0 = time.perf_counter()
-    reqs = eng.generate(ps, sp)
-    dt = time.perf_counter() - t0
-    toks = sum(len(r.output_ids) for r in reqs)
-    out = {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
-    if eng.gamma:
-        verify = sum(r.verify_ct for r in reqs)
-        per_depth = [sum(r.accepted_per_depth[k] for r in reqs) for k in range(eng.gamma)]
-        # conditional acceptance per depth: P(accept k | accepted k-1)
-        prev = [verify] + per_depth[:-1]
-        alphas = [a / p for a, p in zip(per_depth, prev) if p]
-        alpha = sum(alphas) / len(alphas) if alphas else 0.0
-        out.update(tokens_per_verify=toks / verify, alpha=alpha, alpha_per_depth=alphas,
-                   bound=expected_tokens_per_step(alpha, eng.gamma))
-    return out
+class EngineVariant:
+    def __init__(self, model, spec: SpecConfig, batch: int, new_tokens: int, temperature: float, max_len: int):
+        self.eng = Engine(model, CharTokenizer(), spec, max_running=batch, max_len=max_len)
+        self.new_tokens, self.temperature = new_tokens, temperature
+        self.rep = 0
+
+    def run(self, ps) -> dict:
+        self.rep += 1
+        sp = [SamplingParams(max_new_tokens=self.new_tokens, temperature=self.temperature, ignore_eos=True,
+                             seed=1000 * self.rep + i) for i in range(len(ps))]
+        self.eng.reset_stats()
+        w0, c0 = time.perf_counter(), time.process_time()
+        reqs = self.eng.generate(ps, sp)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        st = self.eng.stats()
+        out = {"tokens": sum(len(r.output_ids) for r in reqs), "wall_s": wall, "cpu_s": cpu}
+        if self.eng.gamma:
+            reach, acc = sum(st["spec_reached_per_depth"]), sum(st["spec_accepted_per_depth"])
+            out.update(verify_ct=st["spec_verify_ct"], verify_tokens=self.eng.total_verify_tokens,
+                       accepted=st["spec_accepted_drafts"], proposed=st["spec_proposed_drafts"],
+                       reached=reach, accepted_depth=acc, per_depth_acc=st["spec_accepted_per_depth"],
+                       per_depth_reach=st["spec_reached_per_depth"], gamma_hist=st["spec_gamma_hist"])
+        return out
 
 
-def run_hf(path, ps, new_tokens, temperature, **gen_kw) -> dict:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+class HFVariant:
+    def __init__(self, path, new_tokens: int, temperature: float, assisted: bool, batch: int):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # the MTP tensors are "unexpected" to transformers: expected
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, pad_token_id=0)
-    if temperature > 0:
-        kw["temperature"] = temperature
-    with torch.no_grad():
-        model.generate(torch.tensor([ps[0]]), **kw, **gen_kw)  # warm-up
-        t0 = time.perf_counter()
+        hf_logging.set_verbosity_error()  # the MTP tensors are "unexpected" to transformers: expected
+        self.model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        self.kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, pad_token_id=0)
+        if temperature > 0:
+            self.kw["temperature"] = temperature
+        self.assisted = assisted
+        if assisted:
+            n_layers = self.model.config.num_hidden_layers
+            self.kw["assistant_early_exit"] = max(1, n_layers // 2)
+
+    def run(self, ps) -> dict:
+        w0, c0 = time.perf_counter(), time.process_time()
         toks = 0
-        for p in ps:  # assisted generation is batch-size 1 in transformers
-            out = model.generate(torch.tensor([p]), **kw, **gen_kw)
-            toks += out.shape[1] - len(p)
-        dt = time.perf_counter() - t0
-    return {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
+        with torch.no_grad():
+            if self.assisted:  # assisted generation is batch-size 1 in transformers
+                for p in ps:
+                    out = self.model.generate(torch.tensor([p]), **self.kw)
+                    toks += out.shape[1] - len(p)
+            else:
+                n = max(len(p) for p in ps)
+                ids = torch.tensor([[0] * (n - len(p)) + p for p in ps])
+                mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in ps])
+                out = self.model.generate(ids, attention_mask=mask, **self.kw)
+                toks = (out.shape[1] - n) * len(ps)
+        return {"tokens": toks, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}
+
+
+def summarise(variant: str, batch: int, runs: list[dict], gamma: int) -> dict:
+    med = lambda k: statistics.median(r[k] for r in runs)
+    tokens = runs[0]["tokens"]
+    rec = {"variant": variant, "batch": batch, "reps": len(runs), "tokens": tokens,
+           "wall_s": med("wall_s"), "cpu_s": med("cpu_s"),
+           "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+           "tokens_per_cpu_s": statistics.median(r["tokens"] / r["cpu_s"] for r in runs),
+           "tokens_per_verify": None, "accept_rate": None, "alpha": None, "bound": None}
+    if "verify_ct" in runs[0]:
+        tot = lambda k: sum(r[k] for r in runs)
+        ver = tot("verify_ct")
+        alpha = tot("accepted_depth") / tot("reached") if tot("reached") else 0.0
+        hist = [sum(r["gamma_hist"][g] for r in runs) for g in range(gamma + 1)]
+        spec_rounds = sum(hist[1:])
+        mean_gamma = sum(g * h for g, h in enumerate(hist)) / max(sum(hist), 1)
+        g_eff = round(sum(g * h for g, h in enumerate(hist[1:], 1)) / spec_rounds) if spec_rounds else gamma
+        per_acc = [sum(r["per_depth_acc"][k] for r in runs) for k in range(gamma)]
+        per_reach = [sum(r["per_depth_reach"][k] for r in runs) for k in range(gamma)]
+        rec.update(tokens_per_verify=tot("verify_tokens") / ver if ver else None,
+                   accept_rate=tot("accepted") / tot("proposed") if tot("proposed") else 0.0,
+                   alpha=alpha, alpha_per_depth=[a / n if n else None for a, n in zip(per_acc, per_reach)],
+                   bound=expected_tokens_per_step(alpha, g_eff), gamma_hist=hist, mean_gamma=mean_gamma)
+    return rec
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--gamma", type=int, default=None, help="drafts per step (default: the model's MTP depth)")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--skip-hf", action="store_true", help="drop the hf_* variants")
+    ap.add_argument("--json", default=None, help="also write the records here")
     args = ap.parse_args(argv)
+    if args.max_new_tokens < 48 or args.reps < 5:
+        print("note: the honest setting is --max-new-tokens >= 48 and --reps >= 5", file=sys.stderr)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     path = Path(args.model_path) if args.model_path else default_model()
     model = CausalLMWithMTP.from_pretrained(path)
-    gamma = args.gamma or max(len(model.mtp), 1)
-    ps = prompts(args.num_prompts)
-    rows = []
+    gamma = args.gamma or max(int(json.loads((path / "config.json").read_text()).get("bebop_mtp_draft_steps", 0)
+                                  or len(model.mtp)), 1)
+    variants = [v for v in args.variants if not (args.skip_hf and v.startswith("hf_"))]
+    if not model.has_mtp:
+        variants = [v for v in variants if v in ("plain", "hf_generate", "hf_assisted")]
+    specs = {"plain": SpecConfig("none"), "mtp_rejection": SpecConfig("mtp", gamma, "rejection"),
+             "mtp_target_only": SpecConfig("mtp", gamma, "target_only"),
+             "adaptive": SpecConfig("mtp", gamma, "rejection", adaptive=True)}
+    records = []
     for b in args.batch:
-        for name, spec in [("engine, no speculation", SpecConfig("none")),
-                           ("engine, MTP + rejection sampling", SpecConfig("mtp", gamma, "rejection")),
-                           ("engine, MTP + target-only", SpecConfig("mtp", gamma, "target_only"))]:
-            if spec.algorithm == "mtp" and not model.has_mtp:
-                continue
-            r = run_engine(model, spec, ps, b, args.max_new_tokens, args.temperature)
-            rows.append({"name": name, "batch": b, **r})
-    if not args.skip_hf:
-        n_layers = model.config.num_hidden_layers
-        for name, kw in [("HF generate", {}),
-                         (f"HF assisted (early exit at layer {max(1, n_layers // 2)})",
-                          {"assistant_early_exit": max(1, n_layers // 2)}),
-                         ("HF assisted (prompt lookup)", {"prompt_lookup_num_tokens": gamma})]:
+        ps = prompts(b, seed=b)
+        max_len = max(len(p) for p in ps) + args.max_new_tokens + gamma + 8
+        runners = {}
+        for v in variants:
             try:
-                r = run_hf(path, ps, args.max_new_tokens, args.temperature, **kw)
+                if v in specs:
+                    runners[v] = EngineVariant(model, specs[v], b, args.max_new_tokens, args.temperature, max_len)
+                else:
+                    runners[v] = HFVariant(path, args.max_new_tokens, args.temperature, v == "hf_assisted", b)
+                runners[v].run(ps)  # warm-up (and, for adaptive, its first cost measurements)
+                if v == "adaptive":
+                    runners[v].run(ps)
             except Exception as e:  # report, don't hide: some modes need features a model may lack
-                print(f"{name}: skipped ({type(e).__name__}: {e})", file=sys.stderr)
-                continue
-            rows.append({"name": name, "batch": 1, **r})
-    base = {r["batch"]: r["tok_s"] for r in rows if r["name"] == "engine, no speculation"}
-    b1 = base.get(1, next(iter(base.values())))
-    print(f"\nmodel: {path}  γ={gamma}  prompts={len(ps)}  new tokens={args.max_new_tokens}  "
-          f"temperature={args.temperature}  threads={torch.get_num_threads()}")
-    print(f"{'configuration':44s} {'batch':>5s} {'tok/s':>9s} {'vs plain':>9s} {'tok/verify':>10s} "
-          f"{'bound':>7s} {'alpha':>6s}")
-    for r in rows:
-        ref = base.get(r["batch"], b1)
-        extra = (f"{r['tokens_per_verify']:10.3f} {r['bound']:7.3f} {r['alpha']:6.3f}"
-                 if "tokens_per_verify" in r else f"{'':10s} {'':7s} {'':6s}")
-        print(f"{r['name']:44s} {r['batch']:5d} {r['tok_s']:9.1f} {r['tok_s'] / ref:8.2f}x {extra}")
+                print(f"{v} (batch {b}): skipped ({type(e).__name__}: {e})", file=sys.stderr)
+                runners.pop(v, None)
+        runs = {v: [] for v in runners}
+        for _ in range(args.reps):
+            for v, r in runners.items():  # interleaved
+                runs[v].append(r.run(ps))
+        recs = {v: summarise(v, b, runs[v], gamma) for v in runners}
+        base = recs.get("plain")
+        for rec in recs.values():
+            rec["speedup_vs_plain"] = rec["tokens_per_s"] / base["tokens_per_s"] if base else None
+            rec["speedup_vs_plain_cpu"] = rec["tokens_per_cpu_s"] / base["tokens_per_cpu_s"] if base else None
+        records.extend(recs.values())
+        _print(records[-len(recs):], path, gamma, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(records, indent=2))
     return 0
+
+
+def _print(rows, path, gamma, args) -> None:
+    print(f"\nmodel: {path}  γ≤{gamma}  batch={rows[0]['batch']}  new tokens={args.max_new_tokens}  "
+          f"T={args.temperature}  threads={torch.get_num_threads()}  median of {args.reps} interleaved reps")
+    print(f"{'variant':16s} {'tok/s':>8s} {'vs plain':>8s} {'cpu vs':>7s} {'tok/verify':>10s} {'bound':>6s} "
+          f"{'alpha':>6s} {'acc rate':>8s} {'mean γ':>6s}")
+    f = lambda x, w, p=3: f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else " " * w
+    for r in rows:
+        print(f"{r['variant']:16s} {r['tokens_per_s']:8.1f} {f(r['speedup_vs_plain'], 7, 2)}x "
+              f"{f(r['speedup_vs_plain_cpu'], 6, 2)}x {f(r['tokens_per_verify'], 10)} {f(r['bound'], 6)} "
+              f"{f(r['alpha'], 6)} {f(r['accept_rate'], 8)} {f(r.get('mean_gamma'), 6, 2)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -171,23 +171,43 @@ def check_rollout(dev, smoke: bool, batches: list[int], new_tokens: int) -> dict
     dtype = torch.float32 if smoke else torch.bfloat16
     model = CausalLMWithMTP(lm).to(device=dev, dtype=dtype).eval()
     out = {}
+    # the engine runs where the model is: caches, buffers and index tensors on the device, and
+    # greedy speculation reproduces greedy plain decoding there (exact in fp32; bf16 reported)
+    probe = [[(5 * j + 3) % lm.vocab_size for j in range(16)] for _ in range(2)]
+    gp = SamplingParams(max_new_tokens=24, temperature=0.0)
+    with torch.inference_mode():
+        e_plain = Engine(model, None, SpecConfig("none"), max_running=2, max_len=64)
+        e_spec = Engine(model, None, SpecConfig("mtp", lm.num_mtp_modules), max_running=2, max_len=64)
+        a = [r.output_ids for r in e_plain.generate(probe, gp)]
+        b = [r.output_ids for r in e_spec.generate(probe, gp)]
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / max(sum(len(r) for r in a), 1)
+    out["device_check"] = {"cache_device": str(e_spec.trunk_cache.layers[0].k.device),
+                           "mtp_buffers_device": str(e_spec.hid.device), "engine_device": str(e_spec.device),
+                           "greedy_spec_equals_plain_fraction": same}
     for B in batches:
         row = {}
-        for name, spec in (("no_spec", SpecConfig("none")), ("mtp", SpecConfig("mtp", lm.num_mtp_modules))):
+        for name, spec in (("no_spec", SpecConfig("none")), ("mtp", SpecConfig("mtp", lm.num_mtp_modules)),
+                           ("adaptive", SpecConfig("mtp", lm.num_mtp_modules, adaptive=True))):
             eng = Engine(model, None, spec, max_running=B, max_len=64 + new_tokens + 8)
             prompts = [[(7 * i + j) % lm.vocab_size for j in range(32)] for i in range(B)]
             sp = [SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=i) for i in range(B)]
             with torch.inference_mode():
                 eng.generate(prompts[:1], sp[:1])
+                if spec.adaptive:  # let it measure its costs at this batch size first
+                    eng.generate(prompts, sp)
                 _sync(dev)
+                eng.reset_stats()
                 t0 = time.perf_counter()
                 reqs = eng.generate(prompts, sp)
                 _sync(dev)
             dt = time.perf_counter() - t0
             toks = sum(len(r.output_ids) for r in reqs)
+            st = eng.stats()
             row[name] = {"tokens_per_s": toks / dt, "tokens": toks, "seconds": dt,
-                         "tokens_per_verify": eng.stats()["avg_spec_accept_length"] if spec.algorithm == "mtp" else 1.0}
+                         "tokens_per_verify": st["avg_spec_accept_length"] if spec.algorithm == "mtp" else 1.0,
+                         "gamma_hist": st.get("spec_gamma_hist")}
         row["speedup"] = row["mtp"]["tokens_per_s"] / row["no_spec"]["tokens_per_s"]
+        row["speedup_adaptive"] = row["adaptive"]["tokens_per_s"] / row["no_spec"]["tokens_per_s"]
         out[f"batch_{B}"] = row
     return out
 

@@ -32,7 +32,8 @@ class PreparedBatch:
     rec: dict  # GrowMTP record tensors, or {}
 
     def microbatches(self, lo: int, hi: int, mbs: int, extra_keep: Tensor | None = None,
-                     old_logp: Tensor | None = None, ref_logp: Tensor | None = None) -> list[RLMicroBatch]:
+                     old_logp: Tensor | None = None, ref_logp: Tensor | None = None,
+                     old_mtp_logp: Tensor | None = None) -> list[RLMicroBatch]:
         """Samples [lo, hi) (this DP rank's share) as micro-batches of ``mbs``."""
         keep = self.keep if extra_keep is None else self.keep & extra_keep
         mask = self.loss_mask * keep.unsqueeze(-1).to(self.loss_mask.dtype)
@@ -44,6 +45,7 @@ class PreparedBatch:
                 advantages=self.advantages[sl], rollout_logp=self.rollout_logp[sl],
                 old_logp=None if old_logp is None else old_logp[sl],
                 ref_logp=None if ref_logp is None else ref_logp[sl],
+                old_mtp_logp=None if old_mtp_logp is None else old_mtp_logp[sl],
                 **{k: v[sl] for k, v in self.rec.items()}))
         return out
 

@@ -1,7 +1,7 @@
 """Entrocraft: keep the policy's token-mean entropy inside a linearly annealed band.
 
-Above the band only positive-advantage samples are trained on (they sharpen the policy, lowering
-entropy); below it only negative-advantage samples (pushing down confident mistakes raises
+Above the band only samples whose reward beats their group's mean are trained on (they sharpen the policy, lowering
+entropy); below it only those below their group's mean (pushing down confident mistakes raises
 entropy); inside it, plain GRPO. The band's bounds move linearly from their start to their end
 values over ``anneal_steps`` (reference: high 0.7 -> 0.5, low 0.6 -> 0.4).
 """
@@ -9,6 +9,7 @@ values over ``anneal_steps`` (reference: high 0.7 -> 0.5, low 0.6 -> 0.4).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -36,14 +37,24 @@ class EntrocraftController:
         f = min(max(step / max(c.anneal_steps, 1), 0.0), 1.0)
         return c.low_start + f * (c.low_end - c.low_start), c.high_start + f * (c.high_end - c.high_start)
 
-    def keep(self, step: int, entropy: float, advantages: Tensor) -> tuple[Tensor, str]:
-        """Per-sample keep mask and the regime (high | low | band)."""
+    def keep(self, step: int, entropy: float, values: Tensor, group_size: Optional[int] = None) -> tuple[Tensor, str]:
+        """Per-sample keep mask and the regime (high | low | band).
+
+        As the authors' code does, samples are selected by the sign of their reward relative to its
+        GRPO group's mean (``values`` = rewards laid out group by group, with ``group_size``): above
+        the band the better-than-group samples, below it the worse-than-group ones; samples equal to
+        their group's mean carry no advantage and are dropped in both regimes. Without
+        ``group_size`` ``values`` are taken as already group-relative (e.g. advantages)."""
         low, high = self.band(step)
+        rel = values.double()
+        if group_size is not None:
+            g = rel.view(-1, group_size)
+            rel = (g - g.mean(-1, keepdim=True)).view(-1)
         if entropy > high:
-            return advantages > 0, "high"
+            return rel > 0, "high"
         if entropy < low:
-            return advantages < 0, "low"
-        return torch.ones_like(advantages, dtype=torch.bool), "band"
+            return rel < 0, "low"
+        return torch.ones_like(values, dtype=torch.bool), "band"
 
 
 def token_mean_entropy(logits: Tensor, mask: Tensor) -> Tensor:

@@ -2,7 +2,10 @@
 
 * group-normalised advantages (optionally mean-only, Dr.GRPO-style);
 * PPO clipped surrogate with asymmetric clip-higher (DAPO), token-mean over the whole batch;
-* truncated importance sampling (TIS) between the trainer's and the rollout engine's log-probs;
+* truncated importance sampling (TIS) between the trainer's and the rollout engine's log-probs; with
+  PPO mini-batches this is AReaL's decoupled objective: the clip is taken against the proximal policy
+  (the old policy, recomputed by a forward-only pass before the update) and the truncated IS weight
+  π_prox / π_behaviour corrects for the engine's (possibly stale) behaviour policy;
 * optional KL to a reference policy (k3 estimator);
 * DAPO dynamic sampling (drop groups whose rewards are all equal) and overlong filtering.
 """
@@ -54,6 +57,9 @@ class PolicyLossOutput:
     clip_frac: Tensor
     approx_kl: Tensor
     kl_ref: Tensor
+    ratio_mean: Tensor | None = None  # π/π_old over masked tokens (1 when nothing is masked in)
+    ratio_max: Tensor | None = None
+    ratio_min: Tensor | None = None
 
 
 def policy_loss(
@@ -80,4 +86,10 @@ def policy_loss(
         clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
         clip_frac = (clipped.to(mask.dtype) * mask).sum() / ntok
         approx_kl = (((ratio - 1) - (logp - old_logp)) * mask).sum() / ntok
-    return PolicyLossOutput(loss, clip_frac, approx_kl, kl_ref.detach())
+        m = mask > 0
+        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        rd = ratio.detach()
+        ratio_mean = (rd * mask).sum() / ntok if bool(m.any()) else one
+        ratio_max = rd[m].max() if bool(m.any()) else one
+        ratio_min = rd[m].min() if bool(m.any()) else one
+    return PolicyLossOutput(loss, clip_frac, approx_kl, kl_ref.detach(), ratio_mean, ratio_max, ratio_min)

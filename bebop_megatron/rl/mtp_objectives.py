@@ -2,7 +2,7 @@
 
 * GrowMTP: depth-coupled acceptance (DCA) loss on the verifier's recorded target distributions,
   kept as top-k probabilities plus one residual bin, with verify-gated masking;
-* OCC: the online-calibrated coefficient that scales advantages in the MTP policy loss.
+* OCC (Optimal Coefficient Calibration): the coefficient that scales advantages in the MTP policy loss.
 """
 
 from __future__ import annotations
@@ -40,11 +40,18 @@ def dca_loss(alpha: Tensor, accept_len: Tensor, floor: float = 1e-6) -> Tensor:
     return -torch.log(gated.sum(0)).mean()
 
 
-def occ_coefficient(logp_mtp: Tensor, logp_main: Tensor, logp_old: Tensor, mask: Tensor, lam: float = 1.0,
-                    eps: float = 1e-8) -> Tensor:
-    """c = λ · mean[(ℓ_mtp - ℓ_old)(ℓ_main - ℓ_old) / ((ℓ_mtp - ℓ_old)² + eps)] over masked tokens (detached)."""
-    d_mtp = (logp_mtp - logp_old).detach()
-    d_main = (logp_main - logp_old).detach()
-    m = mask.to(d_mtp.dtype)
-    ratio = d_mtp * d_main / (d_mtp * d_mtp + eps)
-    return lam * (ratio * m).sum() / m.sum().clamp(min=1)
+def occ_coefficient(logp_mtp: Tensor, logp_main: Tensor, logp_old_mtp: Tensor, mask: Tensor, lam: float = 1.0,
+                    logp_old_main: Tensor | None = None) -> Tensor:
+    """OCC's log-probability proxy (arXiv 2605.28184): c = λ · Σ Δ_mtp Δ_main / Σ Δ_mtp², the
+    least-squares slope of the main head's log-prob change on the MTP head's, with Δ measured against
+    the *old* policy (``logp_old_mtp`` for the MTP head, ``logp_old_main`` for the main head; the
+    latter defaults to the former). Ratio of sums in float64, not a mean of per-token ratios; 0 when
+    the policy has not moved (detached)."""
+    old_main = logp_old_mtp if logp_old_main is None else logp_old_main
+    m = mask.double()
+    d_mtp = (logp_mtp.detach().double() - logp_old_mtp.double()) * m
+    d_main = (logp_main.detach().double() - old_main.double()) * m
+    sxx = (d_mtp * d_mtp).sum()
+    if float(sxx) <= 1e-14 * float(m.sum().clamp(min=1)):
+        return torch.zeros((), dtype=torch.float64)
+    return lam * (d_mtp * d_main).sum() / sxx

@@ -1,4 +1,5 @@
-"""End-of-run RL report: acceptance vs entropy (plot + linear fit) and a speculation benchmark."""
+"""End-of-run RL report: reward trend (slope ± standard error), acceptance vs entropy controlling for
+response length (partial fit), PNG curves, and a speculation benchmark."""
 
 from __future__ import annotations
 
@@ -19,6 +20,86 @@ def linear_fit(x: list[float], y: list[float]) -> dict:
     ss_tot = float(((ya - ya.mean()) ** 2).sum())
     r2 = 1.0 - float(((ya - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
     return {"slope": float(slope), "intercept": float(intercept), "r2": r2, "n": int(len(xa))}
+
+
+def trend_fit(x: list[float], y: list[float]) -> dict:
+    """OLS slope of y on x with its standard error (and r²); slope/se None with < 3 points."""
+    xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    n = len(xa)
+    if n < 3 or np.ptp(xa) == 0:
+        return {"slope": None, "se": None, "r2": None, "n": int(n)}
+    xc = xa - xa.mean()
+    sxx = float((xc * xc).sum())
+    slope = float((xc * (ya - ya.mean())).sum() / sxx)
+    resid = ya - ya.mean() - slope * xc
+    se = float(np.sqrt((resid * resid).sum() / (n - 2) / sxx))
+    ss_tot = float(((ya - ya.mean()) ** 2).sum())
+    return {"slope": slope, "se": se, "t": slope / se if se > 0 else None,
+            "r2": 1.0 - float((resid * resid).sum()) / ss_tot if ss_tot > 0 else 1.0, "n": int(n)}
+
+
+def partial_fit(y: list[float], x: list[float], z: list[float]) -> dict:
+    """y = a + b·x + c·z by least squares: b is the slope in x at fixed z (here: acceptance vs entropy
+    at fixed response length), with its standard error; also corr(y, x), corr(y, z)."""
+    ya, xa, za = (np.asarray(v, dtype=float) for v in (y, x, z))
+    n = len(ya)
+    if n < 4 or np.ptp(xa) == 0:
+        return {"slope_entropy": None, "se_entropy": None, "slope_length": None, "n": int(n)}
+    X = np.stack([np.ones(n), xa, za], 1)
+    coef, *_ = np.linalg.lstsq(X, ya, rcond=None)
+    resid = ya - X @ coef
+    dof = max(n - 3, 1)
+    cov = np.linalg.pinv(X.T @ X) * float((resid * resid).sum()) / dof
+    ss_tot = float(((ya - ya.mean()) ** 2).sum())
+    corr = lambda a, b: float(np.corrcoef(a, b)[0, 1]) if np.ptp(a) > 0 and np.ptp(b) > 0 else None  # noqa: E731
+    return {"slope_entropy": float(coef[1]), "se_entropy": float(np.sqrt(max(cov[1, 1], 0.0))),
+            "slope_length": float(coef[2]), "se_length": float(np.sqrt(max(cov[2, 2], 0.0))),
+            "r2": 1.0 - float((resid * resid).sum()) / ss_tot if ss_tot > 0 else 1.0,
+            "corr_accept_entropy": corr(ya, xa), "corr_accept_length": corr(ya, za), "n": int(n)}
+
+
+def plot_curves(rows: list[dict], out_dir: Path) -> dict:
+    """PNG curves over RL steps: reward, entropy (with the Entrocraft band when it is on), acceptance
+    and tokens per verify; one file, ``rl_curves.png``, next to the TensorBoard logs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is an install requirement
+        return {}
+    if not rows:
+        return {}
+    steps = [r["step"] for r in rows]
+    panels = [("rollout/reward", "training reward (rollouts)"), ("policy/entropy", "policy entropy (nats/token)"),
+              ("spec/accept_rate", "draft acceptance"), ("spec/tokens_per_verify", "tokens per verify step")]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (key, title) in zip(axes.flat, panels):
+        pts = [(s, r[key]) for s, r in zip(steps, rows) if isinstance(r.get(key), (int, float))]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, ".-", lw=1)
+            if key == "rollout/reward":
+                f = trend_fit(list(xs), list(ys))
+                if f["slope"] is not None:
+                    xm = np.mean(xs)
+                    ax.plot(xs, [np.mean(ys) + f["slope"] * (x - xm) for x in xs], "r--",
+                            label=f"slope {f['slope']:.4f} ± {f['se']:.4f}/step")
+                    ax.legend(loc="best", fontsize=8)
+            if key == "policy/entropy" and any("entrocraft/low" in r for r in rows):
+                band = [(s, r["entrocraft/low"], r["entrocraft/high"]) for s, r in zip(steps, rows)
+                        if "entrocraft/low" in r]
+                bs, lo, hi = zip(*band)
+                ax.fill_between(bs, lo, hi, alpha=0.2, color="green", label="Entrocraft band")
+                ax.legend(loc="best", fontsize=8)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "rl_curves.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return {"curves_plot": str(path)}
 
 
 def _svg_scatter(x, y, fit: dict, xlabel: str, ylabel: str, title: str) -> str:
@@ -52,18 +133,25 @@ def _svg_scatter(x, y, fit: dict, xlabel: str, ylabel: str, title: str) -> str:
 
 
 def acceptance_vs_entropy(rows: list[dict], out_dir: Path) -> dict:
-    """Per-step (policy entropy, draft acceptance) points, their linear fit, an SVG plot and a JSON."""
-    pts = [(r["policy/entropy"], r["spec/accept_rate"]) for r in rows
+    """Per-step (policy entropy, draft acceptance) points, their linear fit, an SVG plot and a JSON.
+
+    Across steps acceptance also follows the response length (short answers end on easy tokens), so
+    the slope that means what the paper means is the partial one, at fixed response length
+    (``acceptance_vs_entropy_partial``: accept = a + b·H + c·len)."""
+    pts = [(r["policy/entropy"], r["spec/accept_rate"], r.get("rollout/response_len", 0.0)) for r in rows
            if "spec/accept_rate" in r and "policy/entropy" in r]
     if not pts:
         return {}
-    x, y = [p[0] for p in pts], [p[1] for p in pts]
+    x, y, ln = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
     fit = linear_fit(x, y)
+    part = partial_fit(y, x, ln)
     (out_dir / "acceptance_vs_entropy.svg").write_text(
         _svg_scatter(x, y, fit, "policy entropy (token mean, nats)", "draft acceptance rate",
                      "MTP acceptance vs policy entropy, one point per RL step"))
-    (out_dir / "acceptance_vs_entropy.json").write_text(json.dumps({"entropy": x, "accept_rate": y, "fit": fit}, indent=2))
-    return {"acceptance_vs_entropy_fit": fit, "acceptance_vs_entropy_plot": str(out_dir / "acceptance_vs_entropy.svg")}
+    (out_dir / "acceptance_vs_entropy.json").write_text(json.dumps(
+        {"entropy": x, "accept_rate": y, "response_len": ln, "fit": fit, "partial_fit": part}, indent=2))
+    return {"acceptance_vs_entropy_fit": fit, "acceptance_vs_entropy_partial": part,
+            "acceptance_vs_entropy_plot": str(out_dir / "acceptance_vs_entropy.svg")}
 
 
 def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats: int = 1) -> dict:

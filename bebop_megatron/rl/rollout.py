@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from bebop_megatron.data import DataError, iter_jsonl
+from bebop_megatron.rollout import protocol
 from bebop_megatron.rollout.bridge import RolloutBridge, RolloutError
 
 log = logging.getLogger("bebop.rl.rollout")
@@ -46,7 +47,8 @@ class Sample:
     accepted: int = 0
     proposed: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
-    spec_records: list[dict] = field(default_factory=list)
+    spec_records: list = field(default_factory=list)  # protocol.SpecRecord (item access like the old dicts)
+    reached_per_depth: list[int] = field(default_factory=list)  # drafts at depth k that could be emitted
 
 
 @dataclass
@@ -170,21 +172,21 @@ class RolloutManager:
         if not prompts:
             return {"reward": float("nan"), "exact": float("nan")}
         batch = self._call(self._batch(-1 - seed, list(range(len(prompts))), prompts, train=False))
-        n = len(batch.samples)
-        return {"reward": sum(s.reward for s in batch.samples) / n,
-                "exact": sum(s.reward >= 1.0 for s in batch.samples) / n}
+        ss = batch.samples
+        n = len(ss)
+        out = {"reward": sum(s.reward for s in ss) / n, "exact": sum(s.reward >= 1.0 for s in ss) / n,
+               "response_len": sum(len(s.response_ids) for s in ss) / n}
+        verify = sum(s.verify_ct for s in ss)
+        if verify:  # the draft heads on these prompts (same seeds before and after RL)
+            out["accept_rate"] = sum(s.accepted for s in ss) / max(sum(s.proposed for s in ss), 1)
+            out["tokens_per_verify"] = sum(max(len(s.response_ids) - 1, 0) for s in ss if s.verify_ct) / verify
+        return out
 
     def _payload(self, ids: list[int], seed: int) -> dict:
         r = self.cfg.rl
-        sp = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p, "seed": seed}
-        if self._stop_ids:
-            sp["stop_token_ids"] = self._stop_ids
-        if self._stop_strs:
-            sp["stop"] = self._stop_strs
-        body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
-        if self.record_topk:
-            body["return_spec_records"] = self.record_topk
-        return body
+        sp = protocol.sampling_params(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                      seed=seed, stop=self._stop_strs, stop_token_ids=self._stop_ids)
+        return protocol.generate_request(ids, sp, return_logprob=True, spec_records_topk=self.record_topk)
 
     async def _batch(self, step: int, indices: list[int], prompts: list[Prompt], train: bool) -> RolloutBatch:
         t0 = time.time()
@@ -202,27 +204,19 @@ class RolloutManager:
 
     async def _one(self, pi: int, ids: list[int], prompt: Prompt, seed: int) -> Sample:
         out = await self.bridge.generate(self._payload(ids, seed))
-        meta = out.get("meta_info", {})
+        meta = protocol.parse_meta(out.get("meta_info"))
         resp = [int(t) for t in out.get("output_ids", [])]
-        lps = meta.get("output_token_logprobs") or []
-        if len(lps) != len(resp):
-            raise RolloutError(f"server returned {len(lps)} log-probs for {len(resp)} tokens")
+        if len(meta.output_logprobs) != len(resp):
+            raise RolloutError(f"server returned {len(meta.output_logprobs)} log-probs for {len(resp)} tokens")
         text = self.tok.decode(resp)
         if self.cfg.rl.reward == "code":  # the sandbox blocks: keep the loop free
             reward = await asyncio.get_running_loop().run_in_executor(None, self.reward, text, prompt.answer)
         else:
             reward = self.reward(text, prompt.answer)
-        fr = meta.get("finish_reason") or {}
-        try:
-            version = int(meta.get("weight_version", 0))
-        except (TypeError, ValueError):
-            version = 0
-        acc = int(meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts", 0)) or 0)
-        prop = int(meta.get("spec_num_proposed_drafts", meta.get("spec_proposed_drafts", 0)) or 0)
-        return Sample(pi, ids, resp, [float(x[0]) for x in lps], float(reward),
-                      isinstance(fr, dict) and fr.get("type") == "length", version, text,
-                      int(meta.get("spec_verify_ct", 0) or 0), acc, prop,
-                      list(meta.get("spec_accepted_per_depth") or []), list(meta.get("spec_verify_records") or []))
+        reached = (out.get("meta_info") or {}).get("spec_reached_per_depth") or []
+        return Sample(pi, ids, resp, meta.output_logprobs, float(reward), meta.truncated, meta.version_int(), text,
+                      meta.spec.verify_ct, meta.spec.accepted, meta.spec.proposed, meta.accepted_per_depth,
+                      meta.spec_records, [int(x) for x in reached])
 
     # --------------------------------------------------------------- weights
     def sync_tensors(self, buckets: Iterable[dict], version: int, expect_mtp: bool) -> dict:
@@ -230,6 +224,14 @@ class RolloutManager:
 
     def sync_disk(self, model_path: str, version: int, expect_mtp: bool) -> dict:
         return self._call(self.bridge.update_weights_from_disk(model_path, str(version), expect_mtp))
+
+    def init_weight_group(self, make_sender, master_address: str, master_port: int, backend: str,
+                          group_name: str) -> dict:
+        return self._call(self.bridge.init_weights_update_group(make_sender, master_address, master_port,
+                                                                group_name, backend))
+
+    def sync_distributed(self, buckets: Iterable[dict], version: int, expect_mtp: bool) -> dict:
+        return self._call(self.bridge.update_weights_from_distributed(list(buckets), str(version), expect_mtp))
 
     def close(self) -> None:
         try:

@@ -124,13 +124,21 @@ def _forward_step(hook: RLForward, loss_fn, data_iterator, model):
 
 
 def _collect_loss(mb: RLMicroBatch, output):
-    """Forward-only: per-token log-probs and entropies, no loss."""
-    return output.sum() * 0.0, {"logp": output[..., 0].detach(), "entropy": output[..., 1].detach()}
+    """Forward-only: per-token log-probs and entropies (and OCC's depth-1 MTP log-probs), no loss."""
+    out = {"logp": output[..., 0].detach(), "entropy": output[..., 1].detach()}
+    if output.shape[-1] > 2:
+        out["mtp_logp"] = output[..., 2].detach()
+    return output.sum() * 0.0, out
 
 
 def _grpo_loss(r, scale: float, mb: RLMicroBatch, output):
-    """GRPO token loss of one micro-batch, scaled so that the schedule's averaging over micro-batches
-    and DDP's over DP ranks give the token-mean over the whole global batch."""
+    """GRPO/PPO token loss of one micro-batch, scaled so that the schedule's averaging over micro-batches
+    and DDP's over DP ranks give the token-mean over the whole PPO mini-batch.
+
+    Decoupled objective (AReaL): the ratio is taken against the proximal policy ``old_logp`` (the policy
+    at the start of this update, from a forward-only pass; None: one on-policy mini-batch, where it
+    equals this pass's detached log-probs) and the truncated IS weight min(π_prox / π_behaviour, cap)
+    corrects for the rollout engine's behaviour policy (stale async samples, engine numerics)."""
     logp, ent = output[..., 0], output[..., 1]
     mask = mb.loss_mask
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
@@ -143,12 +151,15 @@ def _grpo_loss(r, scale: float, mb: RLMicroBatch, output):
         stats = torch.stack([
             out.loss * ntok, ntok, out.clip_frac * ntok, out.approx_kl * ntok, out.kl_ref * ntok,
             (ent * mask).sum(), ((logp - mb.rollout_logp).abs() * mask).sum(),
-            (isw * mask).sum() if isw is not None else ntok,
+            (isw * mask).sum() if isw is not None else ntok, out.ratio_mean * ntok,
         ]).double()
-    return loss, {"rl": stats}
+        extremes = torch.stack([out.ratio_max, -out.ratio_min]).double() if ntok > 0 else \
+            torch.tensor([1.0, -1.0], dtype=torch.float64)
+    return loss, {"rl": stats, "ratio_ext": extremes}
 
 
-STAT_NAMES = ("pg_loss", "tokens", "clip_frac", "approx_kl", "kl_ref", "entropy", "logp_diff_rollout", "tis_weight")
+STAT_NAMES = ("pg_loss", "tokens", "clip_frac", "approx_kl", "kl_ref", "entropy", "logp_diff_rollout", "tis_weight",
+              "ratio_mean")
 
 
 def run_schedule(model_chunks, hook: RLForward, microbatches: list[RLMicroBatch], seq_length: int, loss_fn,
@@ -191,6 +202,7 @@ class RLTrainer:
         set_trainable(self.model, r.mtp_strategy)
         self.hook = RLForward(r.mtp_strategy, r.temperature, r.online_mtp_loss,
                               r.occ_lambda, r.clip_low, r.clip_high)
+        self.hook.occ_max = r.occ_max
         self.model.postprocess_hook = self.hook
         from bebop_megatron.training.optim import build_optimizer
 
@@ -278,20 +290,24 @@ class RLTrainer:
 
             init_dir = self.out / "rollout_init"
             write_hf_folder(buckets, self.cfg, Shapes.from_config(self.cfg, 1, "deepseek"), init_dir)
-            args = ["--context-length", str(self.cfg.data.seq_length + self.gamma + 2),
-                    "--max-running-requests", str(r.server_max_running), "--weight-version", str(self.version)]
-            if self.speculative:
-                args += ["--speculative-algorithm", "MTP", "--speculative-num-steps", str(self.gamma),
-                         "--speculative-verify", r.verify]
+            from bebop_megatron.rollout.protocol import server_command
+
+            command = lambda port: server_command(  # noqa: E731
+                self.cfg, "bebop", model_path=str(init_dir), port=port, gamma=self.gamma if self.speculative else 0,
+                context_length=self.cfg.data.seq_length + self.gamma + 2, max_running=r.server_max_running,
+                weight_version=str(self.version), api_key=r.api_key)
             t0 = time.time()
-            self.servers = start_local_servers(init_dir, r.num_local_servers, args, log_dir=self.out / "logs",
-                                               threads=r.server_threads, api_key=r.api_key)
+            self.servers = start_local_servers(init_dir, r.num_local_servers, log_dir=self.out / "logs",
+                                               threads=r.server_threads, api_key=r.api_key, command=command)
             urls = [s.url for s in self.servers]
             self._log(f"started {len(urls)} local rollout server(s) in {time.time() - t0:.1f}s: {urls}")
         self.manager = RolloutManager(urls, self.cfg, self.tok, self.train_prompts, api_key=r.api_key,
                                       record_topk=self.record_topk)
+        from bebop_megatron.rl.weight_sync import WeightPusher
+
+        self.pusher = WeightPusher(self.manager, self.cfg, self.out, expect_mtp=bool(self.gamma))
         if r.servers:  # remote servers hold whatever they were started with: push the policy
-            self.manager.sync_tensors(buckets, self.version, expect_mtp=bool(self.gamma))
+            self.pusher.push(buckets, self.version)
         self.last_buckets = buckets
 
     # ------------------------------------------------------------------ rollouts
@@ -308,20 +324,7 @@ class RLTrainer:
         r = self.cfg.rl
         buckets = policy_buckets_on_rank0(self.model, self.cfg, r.sync_bucket_mb << 20)
         if self.is_rank0:
-            if r.weight_sync == "disk":
-                from bebop_megatron.convert.hf_megatron import write_hf_folder
-                from bebop_megatron.convert.layout import Shapes
-
-                d = self.out / "weights" / f"v{self.version}"
-                write_hf_folder(buckets, self.cfg, Shapes.from_config(self.cfg, 1, "deepseek"), d)
-                self.manager.sync_disk(str(d.resolve()), self.version, expect_mtp=bool(self.gamma))
-                import shutil
-
-                for old in (self.out / "weights").glob("v*"):  # servers hold v now: older folders can go
-                    if old.name != d.name and old.name[1:].isdigit() and int(old.name[1:]) < self.version - 1:
-                        shutil.rmtree(old, ignore_errors=True)
-            else:
-                self.manager.sync_tensors(buckets, self.version, expect_mtp=bool(self.gamma))
+            self.pusher.push(buckets, self.version)  # tensor | disk | distributed (rl/weight_sync.py)
             self.last_buckets = buckets
         return time.time() - t0
 
@@ -330,22 +333,30 @@ class RLTrainer:
         per = n // self.dp_size
         return self.dp_rank * per, (self.dp_rank + 1) * per
 
-    def _forward_only(self, model, prep: PreparedBatch, lo: int, hi: int, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp [N, S], entropy [N, S]) for rows lo..hi on the last stage (zeros elsewhere)."""
+    def _forward_only(self, model, prep: PreparedBatch, lo: int, hi: int, keep=None, mtp: bool = False):
+        """(logp [N, S], entropy [N, S], depth-1 MTP logp [N, S] or None) for rows lo..hi on the last
+        stage (zeros elsewhere)."""
         mbs = prep.microbatches(lo, hi, self.cfg.parallel.micro_batch_size, keep)
         hook = model.postprocess_hook
         was_training = model.training
         model.eval()
-        with torch.no_grad():
-            outs = run_schedule([model], hook, mbs, self.cfg.data.seq_length, _collect_loss, forward_only=True)
+        hook.collect_old_mtp = mtp
+        try:
+            with torch.no_grad():
+                outs = run_schedule([model], hook, mbs, self.cfg.data.seq_length, _collect_loss, forward_only=True)
+        finally:
+            hook.collect_old_mtp = False
         if was_training:
             model.train()
         N, S = prep.tokens.shape
         logp, ent = torch.zeros(N, S), torch.zeros(N, S)
+        mtp_logp = torch.zeros(N, S) if mtp else None
         if self.ps.is_pipeline_last_stage() and outs:
             logp[lo:hi] = torch.cat([o["logp"].float().cpu() for o in outs])
             ent[lo:hi] = torch.cat([o["entropy"].float().cpu() for o in outs])
-        return logp, ent
+            if mtp:
+                mtp_logp[lo:hi] = torch.cat([o["mtp_logp"].float().cpu() for o in outs])
+        return logp, ent, mtp_logp
 
     def _global_entropy(self, ent: torch.Tensor, prep: PreparedBatch, lo: int, hi: int) -> float:
         """Token-mean policy entropy over the whole batch's response tokens (all ranks agree)."""
@@ -357,65 +368,120 @@ class RLTrainer:
         return float(v[0] / v[1].clamp(min=1))
 
     def train_step(self, samples) -> dict:
-        """One GRPO update on a list of samples (identical on every rank). Returns metrics (rank 0)."""
+        """One PPO/GRPO update on a list of samples (identical on every rank). Returns metrics (rank 0).
+
+        As slime and verl run PPO: the batch is split into ``rl.num_minibatches`` mini-batches, one
+        optimizer step each, repeated for ``rl.ppo_epochs``; the old (proximal) log-probs come from a
+        forward-only pass of the policy before the first step. With one mini-batch and one epoch the
+        proximal policy *is* the current one, so that pass is skipped (same gradient, bit for bit).
+        Each DP rank's rows [lo, hi) are cut into the mini-batches, so mini-batch j is the union of
+        every rank's j-th slice (whole GRPO groups when the slice is a multiple of the group size)."""
         r, p = self.cfg.rl, self.cfg.parallel
         prep = prepare_batch(samples, r.group_size, self.cfg.data.seq_length, r.normalize_adv_std,
                              r.dynamic_sampling, r.overlong_filter, self.gamma, self.record_topk)
         N = len(samples)
         lo, hi = self._local_range(N)
+        n_mb, epochs = max(r.num_minibatches, 1), max(r.ppo_epochs, 1)
+        multi = n_mb * epochs > 1
+        occ = r.mtp_strategy == "occ"
         metrics: dict = {}
-        extra_keep, old_logp, ref_logp = None, None, None
-        if self.entrocraft is not None:
-            _, ent = self._forward_only(self.model, prep, lo, hi)
-            h = self._global_entropy(ent, prep, lo, hi)
-            extra_keep, regime = self.entrocraft.keep(self.step, h, prep.advantages)
-            low, high = self.entrocraft.band(self.step)
-            metrics.update({"entrocraft/entropy_before": h, "entrocraft/low": low, "entrocraft/high": high,
-                            "entrocraft/regime": {"low": -1, "band": 0, "high": 1}[regime]})
+        extra_keep, old_logp, old_mtp, ref_logp = None, None, None, None
+        if self.entrocraft is not None or multi:
+            logp0, ent, old_mtp = self._forward_only(self.model, prep, lo, hi, mtp=occ and multi)
+            if multi:
+                old_logp = logp0
+            if self.entrocraft is not None:
+                h = self._global_entropy(ent, prep, lo, hi)
+                extra_keep, regime = self.entrocraft.keep(self.step, h, prep.rewards, r.group_size)
+                low, high = self.entrocraft.band(self.step)
+                metrics.update({"entrocraft/entropy_before": h, "entrocraft/low": low, "entrocraft/high": high,
+                                "entrocraft/regime": {"low": -1, "band": 0, "high": 1}[regime]})
         if self.ref is not None:
-            ref_logp, _ = self._forward_only(self.ref, prep, lo, hi)
-        n_tok = prep.num_loss_tokens(extra_keep)
-        mbs = prep.microbatches(lo, hi, p.micro_batch_size, extra_keep, old_logp, ref_logp)
-        scale = len(mbs) * self.dp_size / max(n_tok, 1)
+            ref_logp, _, _ = self._forward_only(self.ref, prep, lo, hi)
+        keep = prep.keep if extra_keep is None else prep.keep & extra_keep
+        tok_rows = (prep.loss_mask * keep.unsqueeze(-1).to(prep.loss_mask.dtype)).sum(-1)  # [N]
+        per_rank, m = N // self.dp_size, (N // self.dp_size) // n_mb
 
-        for chunk in (self.ddp,):
-            chunk.zero_grad_buffer()
-        self.opt.zero_grad()
+        self.hook.occ_begin_batch()
         self.model.train()
-        outs = run_schedule([self.ddp], self.hook, mbs, self.cfg.data.seq_length, partial(_grpo_loss, r, scale),
-                            forward_only=False)
-        ok, grad_norm, _ = self.opt.step()
+        stat_sum = torch.zeros(len(STAT_NAMES), dtype=torch.float64)
+        ext = torch.tensor([-math.inf, -math.inf], dtype=torch.float64)
+        grad_norms, oks = [], []
+        for ep in range(epochs):
+            for j in range(n_mb):
+                a, b = lo + j * m, lo + (j + 1) * m
+                # tokens of the global mini-batch j: every DP rank's j-th slice
+                n_tok = float(sum(tok_rows[d * per_rank + j * m: d * per_rank + (j + 1) * m].sum()
+                                  for d in range(self.dp_size)))
+                mbs = prep.microbatches(a, b, p.micro_batch_size, extra_keep, old_logp, ref_logp, old_mtp)
+                scale = len(mbs) * self.dp_size / max(n_tok, 1.0)
+                self.hook.occ_moved = ep > 0 or j > 0
+                self.ddp.zero_grad_buffer()
+                self.opt.zero_grad()
+                outs = run_schedule([self.ddp], self.hook, mbs, self.cfg.data.seq_length,
+                                    partial(_grpo_loss, r, scale), forward_only=False)
+                ok, grad_norm, _ = self.opt.step()
+                oks.append(bool(ok))
+                if grad_norm is not None:
+                    grad_norms.append(float(grad_norm))
+                for o in outs:
+                    stat_sum += o["rl"].cpu()
+                    ext = torch.maximum(ext, o["ratio_ext"].cpu())
         self.sched.step(increment=1)
         self.step += 1
         self.version = self.step
 
         # ---- metrics: reduce on the last stage, then hand to rank 0
         last = self.ps.is_pipeline_last_stage()
-        stats, mtp_m, hook_m = None, {}, {}
+        stats, mtp_m, hook_m, occ_sums = None, {}, {}, None
         if last:
-            v = torch.stack([o["rl"] for o in outs]).sum(0) if outs else torch.zeros(len(STAT_NAMES), dtype=torch.float64)
-            v = v.to(_device())
+            if old_logp is not None:  # the proximal (pre-update) policy vs the engine: staleness + numerics
+                mk = prep.loss_mask[lo:hi] * keep[lo:hi].unsqueeze(-1).to(prep.loss_mask.dtype)
+                stat_sum = torch.cat([stat_sum, torch.tensor(
+                    [float(((old_logp[lo:hi] - prep.rollout_logp[lo:hi]).abs() * mk).sum()), float(mk.sum())],
+                    dtype=torch.float64)])
+            else:
+                stat_sum = torch.cat([stat_sum, torch.zeros(2, dtype=torch.float64)])
+            v = stat_sum.to(_device())
+            e = ext.to(_device())
             if self.dp_size > 1:
                 dist.all_reduce(v, group=self.ps.get_data_parallel_group())
-            stats = v.cpu().tolist()
+                dist.all_reduce(e, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+            v = v.cpu().tolist()
+            stats = v[:len(STAT_NAMES)] + e.cpu().tolist() + v[len(STAT_NAMES):]
             if r.mtp_strategy == "online":
                 mtp_m = self.model.mtp_metrics.reduce(self.ps.get_data_parallel_group())
             hook_m = self.hook.pop_stats()
+            occ_sums = torch.tensor(self.hook.occ_sums, dtype=torch.float64, device=_device())
+            if occ and self.dp_size > 1:
+                dist.all_reduce(occ_sums, group=self.ps.get_data_parallel_group())
+            occ_sums = occ_sums.cpu().tolist()
         else:
             self.hook.pop_stats()
-        stats, mtp_m, hook_m = _broadcast_object((stats, mtp_m, hook_m), src=dist.get_world_size() - 1)
-        if "occ/coef_batch" in hook_m:
-            c = hook_m["occ/coef_batch"]
-            prev = self.hook.occ_coef
-            self.hook.occ_coef = c if prev is None else r.occ_ema * prev + (1 - r.occ_ema) * c
+        stats, mtp_m, hook_m, occ_sums = _broadcast_object((stats, mtp_m, hook_m, occ_sums),
+                                                           src=dist.get_world_size() - 1)
+        if occ:
+            sxy, sxx, n = occ_sums
+            hook_m.pop("occ/coef_batch", None)
+            if n >= 1 and sxx / n >= 1e-14:  # this batch's coefficient (all DP ranks' tokens)
+                c = max(-self.hook.occ_max, min(self.hook.occ_max, r.occ_lambda * sxy / sxx))
+                hook_m["occ/coef_batch"] = c
+                prev = self.hook.occ_coef
+                # fallback for the next batch's first mini-batch (before the policy has moved)
+                self.hook.occ_coef = c if prev is None else r.occ_ema * prev + (1 - r.occ_ema) * c
+            hook_m["occ/moved_tokens"] = n
         ntok = max(stats[1], 1.0)
         metrics.update({
-            "loss/pg": stats[0] / ntok, "loss/clip_frac": stats[2] / ntok, "loss/approx_kl": stats[3] / ntok,
+            "loss/pg": stats[0] / ntok, "clip_frac": stats[2] / ntok, "approx_kl": stats[3] / ntok,
+            "ratio_mean": stats[8] / ntok, "ratio_max": stats[9], "ratio_min": -stats[10],
             "loss/kl_ref": stats[4] / ntok, "policy/entropy": stats[5] / ntok,
             "policy/logp_diff_vs_rollout": stats[6] / ntok, "policy/tis_weight": stats[7] / ntok,
-            "loss/tokens": stats[1], "optim/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-            "optim/lr": self.opt.param_groups[0]["lr"], "optim/update_ok": float(bool(ok)),
-            "data/kept_samples": float((prep.keep if extra_keep is None else prep.keep & extra_keep).float().mean()),
+            "loss/tokens": stats[1],
+            **({"policy/logp_diff_old_vs_rollout": stats[11] / stats[12]} if stats[12] > 0 else {}),
+            "optim/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "optim/steps": float(len(oks)), "optim/lr": self.opt.param_groups[0]["lr"],
+            "optim/update_ok": float(all(oks)),
+            "data/kept_samples": float(keep.float().mean()),
         })
         metrics.update({f"mtp_online/{k.split('/', 1)[-1]}": v for k, v in mtp_m.items()})
         metrics.update(hook_m)
@@ -434,6 +500,7 @@ class RLTrainer:
             if "reward_before" not in summary:
                 ev = self.manager.evaluate(self.eval_prompts)
                 summary["reward_before"], summary["exact_before"] = ev["reward"], ev["exact"]
+                summary.update({f"eval_{k}_before": v for k, v in ev.items() if k not in ("reward", "exact")})
                 self._log(f"held-out reward before RL: {ev['reward']:.3f}, exact answers {ev['exact']:.3f} "
                           f"({len(self.eval_prompts)} prompts)")
         start = self.step
@@ -456,6 +523,11 @@ class RLTrainer:
         if self.is_rank0 and self.step >= r.steps:
             ev = self.manager.evaluate(self.eval_prompts)
             summary["reward_after"], summary["exact_after"] = ev["reward"], ev["exact"]
+            summary.update({f"eval_{k}_after": v for k, v in ev.items() if k not in ("reward", "exact")})
+            self._log(f"held-out reward after RL: {ev['reward']:.3f}, exact answers {summary['exact_before']:.3f} -> "
+                      f"{ev['exact']:.3f}; draft acceptance on the same prompts "
+                      f"{summary.get('eval_accept_rate_before', float('nan')):.3f} -> "
+                      f"{ev.get('accept_rate', float('nan')):.3f}")
             summary.update(self._final_report())
         self.close()
         if self.is_rank0:
@@ -505,12 +577,17 @@ class RLTrainer:
              "rollout/retries": float(batch.retries)}
         verify = sum(s.verify_ct for s in ss)
         if verify:
+            # one definition (issue #11): accepted / drafts that could be emitted (the engine's "proposed");
+            # tokens per verify = tokens emitted by verify steps (not the prefill's first token) / verify steps
             acc, prop = sum(s.accepted for s in ss), sum(s.proposed for s in ss)
             m["spec/accept_rate"] = acc / max(prop, 1)
-            m["spec/tokens_per_verify"] = batch.generated_tokens / verify
+            m["spec/tokens_per_verify"] = sum(max(len(s.response_ids) - 1, 0) for s in ss if s.verify_ct) / verify
+            have_reached = all(len(s.reached_per_depth) >= self.gamma for s in ss if s.verify_ct)
             reached = verify
             for k in range(self.gamma):
                 at_k = sum(s.accepted_per_depth[k] for s in ss if len(s.accepted_per_depth) > k)
+                if have_reached:
+                    reached = sum(s.reached_per_depth[k] for s in ss if len(s.reached_per_depth) > k)
                 m[f"spec/accept_depth_{k + 1}"] = at_k / max(reached, 1)  # conditional on reaching depth k
                 reached = at_k
         return m
@@ -550,11 +627,21 @@ class RLTrainer:
         return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
     def _final_report(self) -> dict:
-        from bebop_megatron.rl.report import acceptance_vs_entropy, speculation_benchmark
+        from bebop_megatron.rl.report import acceptance_vs_entropy, plot_curves, speculation_benchmark, trend_fit
 
         out = {}
         rows = self.read_metrics()
         out.update(acceptance_vs_entropy(rows, self.out))
+        out.update(plot_curves(rows, self.out))
+        out["train_reward_trend"] = trend_fit([x["step"] for x in rows], [x["rollout/reward"] for x in rows])
+        t_step = sum(x.get("time/step", 0.0) for x in rows)
+        if t_step > 0:  # the share of the trainer's step time spent waiting for rollouts
+            out["rollout_share_of_step_time"] = sum(x.get("time/rollout_wait", 0.0) for x in rows) / t_step
+            out["rollout_gen_seconds_mean"] = float(np.mean([x.get("time/rollout_gen", 0.0) for x in rows]))
+            out["step_seconds_mean"] = t_step / len(rows)
+        tr = out["train_reward_trend"]
+        if tr.get("slope") is not None:
+            self._log(f"training reward trend: {tr['slope']:+.4f} ± {tr['se']:.4f} per step (n={tr['n']})")
         first = rows[0] if rows else {}
         lastn = rows[-max(1, len(rows) // 5):]
         out["train_reward_first_step"] = first.get("rollout/reward")

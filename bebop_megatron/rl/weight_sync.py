@@ -49,3 +49,90 @@ def sync_engine(policy, cfg: Config, engine: Engine, version: Optional[str] = No
     if cfg.model.mtp_num_layers and n_mtp == 0:
         raise RuntimeError("weight sync carried no MTP (draft) tensors")
     return {"tensors": n, "mtp_tensors": n_mtp}
+
+
+class WeightPusher:
+    """Rank 0's push of the policy's HF-named buckets to the rollout servers, by transport:
+
+    * ``tensor``: base64 safetensors buckets (``bebop serve`` only: SGLang's own
+      ``update_weights_from_tensor`` takes pickled tensors and serves co-located engines only);
+    * ``disk``: one HF folder per version under ``out_dir/weights`` on a file system every server
+      sees (``update_weights_from_disk``), keeping the current and the previous version;
+    * ``distributed``: a torch.distributed group (NCCL on GPUs, gloo on CPUs) with every
+      server, created on the first push; rank 0 broadcasts each bucket
+      (``update_weights_from_distributed``). A failed collective re-creates the group once.
+
+    Every transport checks that the draft (MTP) weights changed too (``expect_mtp``).
+    """
+
+    def __init__(self, manager, cfg: Config, out_dir, expect_mtp: bool, mode: Optional[str] = None,
+                 master_address: Optional[str] = None, backend: Optional[str] = None, keep_versions: int = 2,
+                 timeout_s: float = 600.0):
+        from pathlib import Path
+
+        self.manager, self.cfg, self.expect_mtp = manager, cfg, expect_mtp
+        self.mode = mode or cfg.rl.weight_sync
+        if self.mode not in ("tensor", "disk", "distributed"):
+            raise ValueError(f"weight sync mode must be tensor, disk or distributed, got {self.mode!r}")
+        self.out_dir = Path(out_dir)
+        self.master_address, self.backend = master_address, backend
+        self.keep_versions = keep_versions
+        self.timeout_s = timeout_s  # rendezvous and each collective of the distributed transport
+        self._group_ready = False
+
+    def push(self, buckets: list[dict], version: int) -> dict:
+        if self.mode == "tensor":
+            return self.manager.sync_tensors(buckets, version, expect_mtp=self.expect_mtp)
+        if self.mode == "disk":
+            return self._push_disk(buckets, version)
+        return self._push_distributed(buckets, version)
+
+    def _push_disk(self, buckets: list[dict], version: int) -> dict:
+        import shutil
+
+        from bebop_megatron.convert.hf_megatron import write_hf_folder
+
+        root = self.out_dir / "weights"
+        d = root / f"v{version}"
+        write_hf_folder(buckets, self.cfg, Shapes.from_config(self.cfg, 1, "deepseek"), d)
+        res = self.manager.sync_disk(str(d.resolve()), version, expect_mtp=self.expect_mtp)
+        for old in root.glob("v*"):  # the servers hold v now: older folders can go
+            if old.name != d.name and old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep_versions:
+                shutil.rmtree(old, ignore_errors=True)
+        return res
+
+    def _init_group(self) -> None:
+        import os
+        from datetime import timedelta
+        from urllib.parse import urlparse
+
+        import torch
+
+        from bebop_megatron.parallel import free_port
+        from bebop_megatron.rollout.weight_update_group import WeightUpdateSender
+
+        backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        addr = self.master_address or os.environ.get("BEBOP_WEIGHT_SYNC_ADDR")
+        if not addr:
+            hosts = {urlparse(s.url).hostname for s in self.manager.bridge.servers}
+            import socket
+
+            addr = "127.0.0.1" if hosts <= {"127.0.0.1", "localhost", "::1"} else socket.getfqdn()
+        port = free_port()
+        name = f"bebop_weight_sync_{port}"  # a fresh name per group: a broken one may linger
+        timeout = timedelta(seconds=self.timeout_s)
+        self.manager.init_weight_group(lambda world: WeightUpdateSender(addr, port, world, name, backend, timeout),
+                                       addr, port, backend, name)
+        self._group_ready = True
+
+    def _push_distributed(self, buckets: list[dict], version: int) -> dict:
+        from bebop_megatron.rollout.bridge import RolloutError
+
+        if not self._group_ready:
+            self._init_group()
+        try:
+            return self.manager.sync_distributed(buckets, version, expect_mtp=self.expect_mtp)
+        except RolloutError:
+            self._group_ready = False  # the bridge dropped the broken group: one fresh try
+            self._init_group()
+            return self.manager.sync_distributed(buckets, version, expect_mtp=self.expect_mtp)

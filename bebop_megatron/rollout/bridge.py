@@ -9,7 +9,17 @@
   re-sent, to run entirely under the new weights), push all buckets, set the weight version on the
   last one, check the draft (MTP) tensors were updated too, continue. A server that fails midway
   is dropped from routing until it is re-synced, so no request is served by mixed weights.
-* Speculative metrics are read under every key spelling SGLang has used.
+* Weight transports: base64 safetensors buckets (``update_weights_from_tensor``, a ``bebop
+  serve`` extension: SGLang's own tensor route takes pickled CUDA-IPC handles, co-located engines
+  only), a shared folder (``update_weights_from_disk``), or a torch.distributed group
+  (``init_weights_update_group`` once, then ``update_weights_from_distributed`` per bucket while
+  the trainer's rank 0 broadcasts). The last two are what a real SGLang server accepts. A
+  ``begin_weight_update``/``end_weight_update`` session wraps every push (SGLang 0.5.23 requires
+  it for tensor/distributed updates; servers without the routes skip it).
+* Draft check: a sync must change the draft (MTP) weights too (sglang#27718). ``bebop serve``
+  reports ``num_mtp_tensors``; for SGLang the draft runners' ``/weights_checker`` checksums are
+  compared before and after.
+* Speculative metrics are read under every key spelling SGLang has used (``protocol``).
 """
 
 from __future__ import annotations
@@ -19,61 +29,18 @@ import base64
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import httpx
 
-log = logging.getLogger("bebop.bridge")
+from bebop_megatron.rollout import protocol
+from bebop_megatron.rollout.protocol import SPEC_KEY_PAIRS, SpecStats, parse_spec_metrics  # noqa: F401 (re-exported)
 
-# (accepted, proposed) key pairs, newest first: >= 0.5.12, 0.5.11, <= 0.5.10
-SPEC_KEY_PAIRS = (
-    ("spec_num_correct_drafts", "spec_num_proposed_drafts"),
-    ("spec_accepted_drafts", "spec_proposed_drafts"),
-    ("spec_accept_token_num", "spec_draft_token_num"),
-)
+log = logging.getLogger("bebop.bridge")
 
 
 class RolloutError(RuntimeError):
     """No server could serve the request (all down), or a server rejected it (4xx)."""
-
-
-@dataclass
-class SpecStats:
-    verify_ct: int = 0
-    accepted: int = 0
-    proposed: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def accept_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_verify(self) -> float:
-        return self.completion_tokens / self.verify_ct if self.verify_ct else 0.0
-
-    def __add__(self, o: "SpecStats") -> "SpecStats":
-        return SpecStats(self.verify_ct + o.verify_ct, self.accepted + o.accepted, self.proposed + o.proposed,
-                         self.completion_tokens + o.completion_tokens)
-
-
-def parse_spec_metrics(meta: dict) -> SpecStats:
-    """Speculative counters from a ``meta_info`` of any SGLang version (missing keys: zeros).
-
-    When only ``spec_verify_ct`` and ``spec_accept_length`` exist (older servers), accepted drafts
-    are recovered as completion_tokens - verify_ct (each verify step emits one non-draft token).
-    """
-    verify = int(meta.get("spec_verify_ct") or 0)
-    completion = int(meta.get("completion_tokens") or 0)
-    accepted = proposed = None
-    for a, p in SPEC_KEY_PAIRS:
-        if a in meta and meta[a] is not None:
-            accepted, proposed = int(meta[a]), int(meta.get(p) or 0)
-            break
-    if accepted is None:
-        accepted = max(completion - verify, 0) if verify else 0
-        proposed = 0
-    return SpecStats(verify, accepted, proposed, completion)
 
 
 @dataclass
@@ -117,6 +84,7 @@ class RolloutBridge:
         self.weight_version: Optional[str] = None
         self._sync_idle = asyncio.Event()
         self._sync_idle.set()
+        self._group: Optional[dict] = None  # the torch.distributed weight-update group, once created
 
     async def __aenter__(self) -> "RolloutBridge":
         self.start_health_checks()
@@ -132,6 +100,11 @@ class RolloutBridge:
                 await self._health_task
             except (asyncio.CancelledError, Exception):
                 pass
+        if self._group is not None:
+            try:
+                await self.destroy_weights_update_group()
+            except Exception as e:  # noqa: BLE001
+                log.warning("destroying the weight-update group failed: %s", e)
         await self.client.aclose()
 
     # ---------------------------------------------------------------- routing
@@ -225,8 +198,7 @@ class RolloutBridge:
 
     @staticmethod
     def _aborted(o: dict) -> bool:
-        fr = (o.get("meta_info") or {}).get("finish_reason") or {}
-        return isinstance(fr, dict) and fr.get("type") == "abort"
+        return protocol.is_aborted(o)
 
     async def generate_many(self, payloads: list[dict]) -> list[Any]:
         return await asyncio.gather(*(self.generate(p) for p in payloads))
@@ -270,12 +242,28 @@ class RolloutBridge:
         r = await self.client.post(s.url + path, json=body)
         if r.status_code != 200:
             raise RolloutError(f"{s.url}{path} failed ({r.status_code}): {r.text[:500]}")
-        return r.json()
+        out = r.json()
+        if isinstance(out, dict) and out.get("success") is False:  # SGLang's failure shape
+            raise RolloutError(f"{s.url}{path} failed: {out.get('message')}")
+        return out
+
+    async def _post_optional(self, s: ServerState, path: str, body: dict) -> Optional[dict]:
+        """A route some servers lack (404/405: None); other failures raise."""
+        r = await self.client.post(s.url + path, json=body)
+        if r.status_code in (404, 405):
+            return None
+        if r.status_code != 200:
+            raise RolloutError(f"{s.url}{path} failed ({r.status_code}): {r.text[:500]}")
+        out = r.json()
+        if isinstance(out, dict) and out.get("success") is False:
+            raise RolloutError(f"{s.url}{path} failed: {out.get('message')}")
+        return out
 
     async def update_weights_from_tensor(self, buckets: Iterable[dict], version: str,
                                          expect_mtp: bool = True) -> dict:
         """Push weight buckets ({HF name: tensor}) to every healthy server between a pause and a
-        continue; the last bucket carries the new weight version."""
+        continue; the last bucket carries the new weight version. ``bebop serve`` only (base64
+        safetensors); SGLang's tensor route takes pickled tensors from a co-located trainer."""
         from safetensors.torch import save
 
         payloads = [base64.b64encode(save({k: v.detach().contiguous().cpu() for k, v in b.items()})).decode()
@@ -285,34 +273,192 @@ class RolloutBridge:
         return await self._sync(lambda s: self._push(s, payloads, version, expect_mtp), version)
 
     async def update_weights_from_disk(self, model_path: str, version: str, expect_mtp: bool = True) -> dict:
+        """Every server loads ``model_path`` (a folder they all see); works with SGLang."""
         async def push(s: ServerState):
-            res = await self._post(s, "/update_weights_from_disk", {"model_path": model_path,
-                                                                    "weight_version": version})
-            self._check_mtp(s, res, expect_mtp)
+            before = await self._draft_checksums(s) if expect_mtp else None
+            res = await self._post(s, "/update_weights_from_disk",
+                                   protocol.update_weights_from_disk_request(model_path, version))
+            await self._check_mtp(s, res, expect_mtp, before)
             return res
 
         return await self._sync(push, version)
 
     async def _push(self, s: ServerState, payloads: list[str], version: str, expect_mtp: bool) -> dict:
         mtp = 0
-        for i, p in enumerate(payloads):
-            last = i == len(payloads) - 1
-            # non-final buckets are staged (applied with the last one: versions switch atomically);
-            # servers without staging (SGLang) ignore the field and apply buckets as they come
-            res = await self._post(s, "/update_weights_from_tensor", {
-                "serialized_named_tensors": [p], "load_format": "safetensors", "flush_cache": last,
-                "weight_version": version if last else None, "stage": not last,
-                "stage_version": None if last else version})
-            mtp += int(res.get("num_mtp_tensors", 0))
+        async with self._session(s):
+            for i, p in enumerate(payloads):
+                last = i == len(payloads) - 1
+                # non-final buckets are staged (applied with the last one: versions switch atomically)
+                res = await self._post(s, "/update_weights_from_tensor", protocol.update_weights_from_tensor_request(
+                    p, version if last else None, flush_cache=last, stage_version=None if last else version))
+                mtp += int(res.get("num_mtp_tensors", 0))
         res = {"num_mtp_tensors": mtp}
-        self._check_mtp(s, res, expect_mtp)
+        await self._check_mtp(s, res, expect_mtp, None)
         return res
 
-    @staticmethod
-    def _check_mtp(s: ServerState, res: dict, expect_mtp: bool) -> None:
-        # the anchor bug: a weight sync that refreshed the trunk but never the MTP draft
-        if expect_mtp and "num_mtp_tensors" in res and int(res["num_mtp_tensors"]) == 0:
-            raise RolloutError(f"{s.url}: weight sync updated no MTP (draft) tensors")
+    # ---------------------------------------------------------------- distributed weights
+    async def init_weights_update_group(self, make_sender: Callable[[int], Any], master_address: str,
+                                        master_port: int, group_name: str = protocol.DEFAULT_GROUP,
+                                        backend: str = "nccl") -> dict:
+        """Create the torch.distributed group trainer-rank-0 + every healthy server (each server
+        joins with its TP ranks at ``rank_offset``). ``make_sender(world_size)`` returns the
+        trainer's end (``init()``, ``broadcast(bucket)``, ``destroy()``), whose ``init`` runs in a
+        thread while the servers join."""
+        targets = [s for s in self.servers if s.healthy]
+        if not targets:
+            raise RolloutError("no healthy rollout server to join the weight-update group")
+        sizes = [await self._tp_size(s) for s in targets]
+        world = 1 + sum(sizes)
+        sender = make_sender(world)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(targets))]
+        joins = [self._post(s, "/init_weights_update_group", protocol.init_weights_update_group_request(
+            master_address, master_port, off, world, group_name, backend)) for s, off in zip(targets, offsets)]
+        res = await asyncio.gather(asyncio.to_thread(sender.init), *joins, return_exceptions=True)
+        errors = [repr(e) for e in res if isinstance(e, BaseException)]
+        if errors:
+            raise RolloutError(f"init_weights_update_group failed: {errors}")
+        self._group = {"sender": sender, "servers": [s.url for s in targets], "name": group_name}
+        return {"world_size": world, "servers": [s.url for s in targets], "rank_offsets": offsets}
+
+    async def destroy_weights_update_group(self) -> None:
+        g, self._group = getattr(self, "_group", None), None
+        if g is None:
+            return
+        for s in self.servers:
+            if s.url in g["servers"]:
+                try:
+                    await self._post(s, "/destroy_weights_update_group",
+                                     protocol.destroy_weights_update_group_request(g["name"]))
+                except Exception as e:  # noqa: BLE001 - a dead server has no group left to destroy
+                    log.warning("destroy_weights_update_group on %s: %s", s.url, e)
+        await asyncio.to_thread(g["sender"].destroy)
+
+    async def update_weights_from_distributed(self, buckets: Iterable[dict], version: str,
+                                              expect_mtp: bool = True) -> dict:
+        """Push buckets through the weight-update group: for each bucket, every server gets its
+        names/dtypes/shapes while the trainer's rank 0 broadcasts the tensors. A collective: it
+        succeeds on every member or fails for all (the group must then be re-created)."""
+        g = getattr(self, "_group", None)
+        if g is None:
+            raise RolloutError("no weight-update group: call init_weights_update_group first")
+        buckets = [b for b in buckets if b]
+        if not buckets:
+            raise ValueError("no weight buckets to send")
+        by_url = {s.url: s for s in self.servers}
+        targets = [by_url[u] for u in g["servers"]]
+        down = [s.url for s in targets if not s.healthy]
+        if down:
+            raise RolloutError(f"weight-update group member(s) down: {down}; re-create the group")
+        sender = g["sender"]
+        t0 = time.time()
+        self._sync_idle.clear()
+        for s in targets:
+            s.needs_sync = True
+        results: dict[str, dict] = {s.url: {"num_tensors": 0, "num_mtp_tensors": None} for s in targets}
+        try:
+            await asyncio.gather(*(self._pause(s) for s in targets), return_exceptions=True)
+            before = {s.url: await self._draft_checksums(s) for s in targets} if expect_mtp else {}
+            sessions = [self._session(s) for s in targets]
+            for cm in sessions:
+                await cm.__aenter__()
+            try:
+                for i, b in enumerate(buckets):
+                    last = i == len(buckets) - 1
+                    names, dtypes, shapes = protocol.tensor_meta(b.items())
+                    body = protocol.update_weights_from_distributed_request(
+                        names, dtypes, shapes, version if last else None, group_name=g["name"], flush_cache=last)
+                    out = await asyncio.gather(asyncio.to_thread(sender.broadcast, b),
+                                               *(self._post(s, "/update_weights_from_distributed", body)
+                                                 for s in targets), return_exceptions=True)
+                    errors = [repr(e) for e in out if isinstance(e, BaseException)]
+                    if errors:
+                        raise RolloutError(f"update_weights_from_distributed failed: {errors}")
+                    for s, res in zip(targets, out[1:]):
+                        r = results[s.url]
+                        r["num_tensors"] += int(res.get("num_tensors", len(names)))
+                        if "num_mtp_tensors" in res:
+                            r["num_mtp_tensors"] = (r["num_mtp_tensors"] or 0) + int(res["num_mtp_tensors"])
+            finally:
+                for cm in sessions:
+                    await cm.__aexit__(None, None, None)
+            for s in targets:
+                res = {k: v for k, v in results[s.url].items() if v is not None}
+                await self._check_mtp(s, res, expect_mtp, before.get(s.url))
+                s.weight_version, s.needs_sync = version, False
+        except Exception as e:
+            self._group = None  # a broken collective: the group must be re-created (under a new name)
+            for s in targets:
+                try:
+                    await self.client.post(s.url + "/destroy_weights_update_group", timeout=10.0,
+                                           json=protocol.destroy_weights_update_group_request(g["name"]))
+                except httpx.HTTPError:
+                    pass
+            for s in targets:
+                s.last_error = f"distributed weight sync failed: {e}"
+            raise RolloutError(f"distributed weight sync failed: {e}") from e
+        finally:
+            self._sync_idle.set()
+            for s in targets:
+                try:
+                    await self._post(s, "/continue_generation", {})
+                except Exception:
+                    pass
+        self.weight_version = version
+        return {"version": version, "servers": len(targets), "failed": [], "seconds": time.time() - t0,
+                "results": results}
+
+    async def _tp_size(self, s: ServerState) -> int:
+        try:
+            r = await self.client.get(s.url + "/get_server_info", timeout=30.0)
+            info = r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            info = {}
+        return int(info.get("tp_size") or 1)
+
+    # ---------------------------------------------------------------- draft check, sessions
+    def _session(self, s: ServerState):
+        bridge = self
+
+        class _Session:  # begin_weight_update ... end_weight_update, where the server has them
+            opened = False
+
+            async def __aenter__(self):
+                self.opened = await bridge._post_optional(s, "/begin_weight_update",
+                                                          protocol.begin_weight_update_request()) is not None
+                return self
+
+            async def __aexit__(self, *exc):
+                if self.opened:
+                    await bridge._post_optional(s, "/end_weight_update", {})
+
+        return _Session()
+
+    async def _draft_checksums(self, s: ServerState) -> Optional[dict]:
+        """The draft runners' checksums (SGLang's /weights_checker), None where unavailable."""
+        try:
+            r = await self.client.post(s.url + "/weights_checker", json=protocol.weights_checksum_request("draft"))
+            if r.status_code != 200:
+                return None
+            return protocol.draft_checksums(r.json()) or None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def _check_mtp(self, s: ServerState, res: dict, expect_mtp: bool, before: Optional[dict]) -> None:
+        """The anchor bug: a weight sync that refreshed the trunk but never the MTP draft."""
+        if not expect_mtp:
+            return
+        if "num_mtp_tensors" in res:  # bebop serve counts them
+            if int(res["num_mtp_tensors"]) == 0:
+                raise RolloutError(f"{s.url}: weight sync updated no MTP (draft) tensors")
+            return
+        if before:  # SGLang: the draft's checksums must have moved
+            after = await self._draft_checksums(s)
+            if after is not None and after == before:
+                raise RolloutError(f"{s.url}: weight sync left the draft (MTP) weights unchanged "
+                                   "(see sglang#27718)")
+            return
+        log.warning("%s: cannot verify that the draft (MTP) weights were updated (no num_mtp_tensors, "
+                    "no /weights_checker)", s.url)
 
     async def _sync(self, push, version: str) -> dict:
         targets = [s for s in self.servers if s.healthy]
@@ -331,7 +477,8 @@ class RolloutBridge:
         finally:
             self._sync_idle.set()
         if len(failed) == len(targets):
-            raise RolloutError(f"weight sync to every server failed: {failed}")
+            raise RolloutError("weight sync to every server failed: " +
+                               "; ".join(s.last_error for s in targets if s.url in failed))
         self.weight_version = version
         return {"version": version, "servers": len(targets) - len(failed), "failed": failed,
                 "seconds": time.time() - t0, "results": results}
@@ -355,4 +502,4 @@ class RolloutBridge:
 
     async def _pause(self, s: ServerState) -> None:
         # abort in-flight requests: generate() re-sends them to run under the new weights
-        await self._post(s, "/pause_generation", {"mode": "abort"})
+        await self._post(s, "/pause_generation", protocol.pause_request("abort"))

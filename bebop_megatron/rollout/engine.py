@@ -1,26 +1,55 @@
 """Embedded generation engine: continuous batching, optional MTP speculative decoding.
 
-State of a running request with committed tokens x_0..x_{L-1} (prompt + output):
-  * the trunk's KV cache holds positions 0..L-2 (x_{L-1}, the newest token, is not processed yet);
-  * MTP depth k (1-based) holds positions 0..L-1-k: position s was computed from the depth-(k-1)
-    hidden at s and the embedding of x_{s+k} (megatron-core's MTP layer, run causally), and
-    ``carry[k]`` keeps depth k's output at its last position.
+State of a running request with committed tokens x_0..x_{L-1} (prompt + output), per slot:
+  * the trunk's KV cache holds positions 0..L-2 (x_{L-1}, the newest token, is not processed
+    yet); ``hid`` keeps the hidden state the trunk fed to MTP at every processed position and
+    ``tok`` the committed tokens;
+  * MTP depth k (1-based) is valid on positions 0..valid[k]-1: position s was computed from the
+    depth-(k-1) hidden at s and the embedding of x_{s+k} (megatron-core's MTP layer, run
+    causally), and ``carry[k]`` keeps depth k's output at valid[k]-1.
 
-A speculative round:
-  1. draft: d_1 from depth 1's carry (position L-2, token x_{L-1}); depth k ≥ 2 runs its k-1
-     positions L-k..L-2 whose token lies beyond x_{L-1}, feeding the drafts d_1..d_{k-1} — so
-     when the earlier drafts are accepted, q_k is exactly the distribution MTP training saw;
-     these entries are scratch (overwritten later);
-  2. verify: one trunk forward over [x_{L-1}, d_1..d_γ] gives p at γ+1 positions; drafts are
-     accepted by rejection sampling (or target_only / greedy) and one more token is drawn;
-  3. commit the accepted tokens and extend each MTP depth over its newly complete positions with
-     the real tokens (depth k reuses depth k-1's outputs, starting from its carry).
-Without speculation a round is one trunk forward over [x_{L-1}].
+A speculative round with γ_r drafts (the lean round: each MTP depth runs ONCE per round, as
+SGLang's draft-extend and vLLM's EagleProposer do):
+  1. draft: for k = 1..γ_r one pass of depth k over positions b_k..L-2, i.e. its committed
+     positions not yet computed (the "extend" over the tokens accepted last round, fused with
+     the draft) followed by its k-1 positions whose token lies beyond x_{L-1} (fed the drafts
+     d_1..d_{k-1}); its output at L-2 gives q_k and d_k. When the earlier drafts are accepted,
+     q_k is exactly the distribution MTP training saw. Entries past a depth's committed part
+     are scratch (recomputed next round). b_k starts at valid[k], or earlier where the depth
+     below must be recomputed (depths skipped while γ_r was smaller), so any γ_r works.
+  2. verify: one trunk forward over [x_{L-1}, d_1..d_γr] gives p at γ_r+1 positions; drafts are
+     accepted by rejection sampling (or target_only; temperature 0 = greedy) and one more token
+     is drawn; the accepted tokens are committed.
+A round with γ_r = 0 is a plain decoding step. The trunk prefill does not run MTP: the depths
+catch up over the prompt in the first draft pass, batched with every other request's draft.
+
+Sampling and verification run in float32 (``sampling_dtype``; float64 is the reference) with
+all of a request's uniforms for a round drawn at once from its own generator.
+
+γ per round (``SpecConfig.adaptive``): the engine measures the wall time of a round for each
+γ (0..max) at the current batch size (power-of-two buckets, exponential moving averages,
+occasional re-measurement) and picks the γ that maximises expected tokens per second,
+E[tokens | γ] = 1 + Σ_{j≤γ} Π_{i≤j} α_i with the running per-depth acceptance α_i. γ = 0 is
+plain decoding, so speculation is not slower than plain beyond the exploration rounds.
+
+Acceptance metric (one definition, everywhere):
+  * a draft is *proposed* only if it could still be emitted: drafts past an accepted stop token
+    or past the length limit are not counted (a step that ends the request proposes
+    min(γ_r, tokens left, position of the accepted stop));
+  * ``accepted`` counts proposed drafts that were accepted and emitted; the acceptance rate is
+    accepted / proposed;
+  * per depth, ``reached_per_depth[k]`` counts verify steps in which drafts 1..k-1 were accepted
+    and draft k was proposed, ``accepted_per_depth[k]`` those in which draft k was accepted:
+    α_k = accepted_per_depth[k] / reached_per_depth[k];
+  * tokens per verify step = tokens emitted by verify steps / verify steps (the first output
+    token comes from the prefill, not from a verify step). Rounds with γ_r = 0 are not verify
+    steps (they are counted in ``plain_steps``).
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 import threading
 import time
 from collections import deque
@@ -31,7 +60,8 @@ import torch
 from torch import Tensor
 
 from bebop_megatron.rollout.modeling import CausalLMWithMTP, KVCache, make_batch_index
-from bebop_megatron.rollout.sampling import SamplingTensors, draft_tokens, process_logits, sample_rows, verify_chain
+from bebop_megatron.rollout.sampling import (SamplingTensors, process_logits, round_uniforms, sample_with_uniform,
+                                             verify_chain)
 
 
 class RequestError(ValueError):
@@ -75,6 +105,7 @@ class SpecConfig:
     algorithm: str = "none"  # none | mtp
     num_draft_tokens: int = 3  # γ
     verify: str = "rejection"  # rejection | target_only (temperature 0 always verifies greedily)
+    adaptive: bool = False  # pick γ per round (0..num_draft_tokens) from measured cost and acceptance
 
     def validate(self, model: CausalLMWithMTP) -> None:
         if self.algorithm not in ("none", "mtp"):
@@ -103,8 +134,10 @@ class Request:
     carry: list[Optional[Tensor]] = field(default_factory=list)  # per depth: output at its last real position
     verify_ct: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
-    proposed: int = 0
+    reached_per_depth: list[int] = field(default_factory=list)  # verify steps where draft k could be emitted
+    proposed: int = 0  # drafts that could still be emitted (see the module docstring)
     accepted: int = 0
+    verify_tokens: int = 0  # tokens emitted by verify steps (tokens per verify = verify_tokens / verify_ct)
     created: float = field(default_factory=time.time)
     done: threading.Event = field(default_factory=threading.Event)
     on_update: Optional[Callable[["Request"], None]] = None
@@ -121,7 +154,8 @@ class Request:
 
 class Engine:
     def __init__(self, model: CausalLMWithMTP, tokenizer=None, spec: Optional[SpecConfig] = None,
-                 max_running: int = 32, max_len: int = 2048, weight_version: str = "default"):
+                 max_running: int = 32, max_len: int = 2048, weight_version: str = "default",
+                 sampling_dtype: torch.dtype = torch.float32):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -129,10 +163,19 @@ class Engine:
         self.max_running = max_running
         self.max_len = max_len
         self.weight_version = weight_version
+        self.sampling_dtype = sampling_dtype
+        self.device = model.embed_tokens.weight.device
         self.gamma = self.spec.num_draft_tokens if self.spec.algorithm == "mtp" else 0
-        self.trunk_cache = model.new_cache(max_running, max_len + self.gamma + 2, "trunk")
-        self.mtp_caches: list[KVCache] = [model.new_cache(max_running, max_len + self.gamma + 2, "mtp")
-                                          for _ in range(self.gamma)]
+        g, dev = self.gamma, self.device
+        self.cache_len = max_len + g + 2
+        self.trunk_cache = model.new_cache(max_running, self.cache_len, "trunk")
+        self.mtp_caches: list[KVCache] = [model.new_cache(max_running, self.cache_len, "mtp") for _ in range(g)]
+        h, dtype = model.config.hidden_size, model.embed_tokens.weight.dtype
+        if g:
+            self.hid = torch.zeros(max_running, self.cache_len, h, dtype=dtype, device=dev)  # trunk -> MTP hidden
+            self.tok = torch.zeros(max_running, self.cache_len, dtype=torch.long, device=dev)  # committed tokens
+            self.carry = torch.zeros(max_running, g + 1, h, dtype=dtype, device=dev)
+            self.valid = torch.zeros(max_running, g + 1, dtype=torch.long, device=dev)
         self.free_slots = list(range(max_running))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -146,6 +189,18 @@ class Engine:
         self.total_generated = 0
         self.total_accepted_drafts = 0
         self.total_proposed_drafts = 0
+        self.total_verify_tokens = 0
+        self.total_plain_steps = 0
+        self.total_accepted_per_depth = [0] * g
+        self.total_reached_per_depth = [0] * g
+        self.gamma_hist = [0] * (g + 1)  # rounds run at each γ
+        # adaptive γ: EMA of round seconds per (batch bucket, γ), running per-depth acceptance
+        self._cost_samples: dict[tuple[int, int], deque] = {}
+        self._cost_n: dict[tuple[int, int], int] = {}
+        self._alpha = [0.7] * g
+        self._life_acc, self._life_reach = [0] * g, [0] * g
+        self._rounds = 0
+        self.last_gamma = g
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
@@ -189,6 +244,7 @@ class Engine:
             return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ main loop
+    @torch.no_grad()
     def step(self) -> None:
         """One scheduling round: reap aborts, admit + prefill new requests, decode the rest."""
         with self.lock:
@@ -199,8 +255,9 @@ class Engine:
             for req in list(self.running):
                 if req.aborted:
                     self._release(req, {"type": "abort", "message": "aborted"})
-            decoding = list(self.running)
+            decoding = sorted(self.running, key=lambda r: r.slot)  # consecutive slots: caches read as views
             admitted = []
+            self.free_slots.sort(reverse=True)  # lowest slot first
             while self.waiting and self.free_slots:
                 req = self.waiting.popleft()
                 req.slot = self.free_slots.pop()
@@ -209,10 +266,14 @@ class Engine:
                 self.running.extend(admitted)
                 self._prefill(admitted)
             if decoding:
-                if self.gamma:
-                    self._speculative_round(decoding)
+                gamma = self._choose_gamma(len(decoding)) if self.gamma else 0
+                t0 = self._clock()
+                if gamma:
+                    self._speculative_round(decoding, gamma)
                 else:
                     self._plain_round(decoding)
+                if self.gamma and self.spec.adaptive:
+                    self._record_cost(len(decoding), gamma, self._clock() - t0)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False) -> list[Request]:
@@ -223,177 +284,236 @@ class Engine:
             self.step()
         return reqs
 
+    # ------------------------------------------------------------------ adaptive γ
+    def _clock(self) -> float:
+        """Cost clock: process CPU time on CPU (robust to other processes on a shared machine),
+        synchronised wall time on an accelerator."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return time.perf_counter()
+        return time.process_time()
+
+    @staticmethod
+    def _bucket(B: int) -> int:
+        return 1 << max(0, (B - 1).bit_length())
+
+    def expected_tokens(self, gamma: int) -> float:
+        """1 + Σ_{j≤γ} Π_{i≤j} α_i with the running per-depth acceptance."""
+        e, prod = 1.0, 1.0
+        for a in self._alpha[:gamma]:
+            prod *= a
+            e += prod
+        return e
+
+    def _choose_gamma(self, B: int) -> int:
+        g = self.gamma
+        if not self.spec.adaptive:
+            self.last_gamma = g
+            return g
+        self._rounds += 1
+        bk = self._bucket(B)
+        for cand in range(g, -1, -1):  # measure every γ per bucket first (the first sample is a warm-up)
+            if self._cost_n.get((bk, cand), 0) < 3:
+                self.last_gamma = cand
+                return cand
+        cost = {c: statistics.median(self._cost_samples[(bk, c)]) for c in range(g + 1)}
+        score = {c: self.expected_tokens(c) / cost[c] for c in range(g + 1)}
+        best = max(score, key=score.get)
+        if self._rounds % 10 == 0:  # re-measure the others in turn (costs drift with lengths and load)
+            others = [c for c in range(g + 1) if c != best]
+            best = others[(self._rounds // 10) % len(others)]
+        self.last_gamma = best
+        return best
+
+    def _record_cost(self, B: int, gamma: int, seconds: float) -> None:
+        key = (self._bucket(B), gamma)
+        n = self._cost_n.get(key, 0)
+        self._cost_n[key] = n + 1
+        if n > 0:  # robust: median of the recent samples, the first (warm-up) one dropped
+            self._cost_samples.setdefault(key, deque(maxlen=9)).append(seconds)
+        self.gamma_hist[gamma] += 1
+
     # ------------------------------------------------------------------ internals
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
-        return SamplingTensors.build([r.params for r in reqs])
+        return SamplingTensors.build([r.params for r in reqs], device=self.device)
+
+    def _slots(self, reqs: list[Request]) -> Tensor:
+        return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
 
     def _prefill(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.tokens = list(r.input_ids) + list(r.output_ids)  # retracted requests keep their output
-            r.carry = [None] * (self.gamma + 1)
             r.accepted_per_depth = r.accepted_per_depth or [0] * self.gamma
+            r.reached_per_depth = r.reached_per_depth or [0] * self.gamma
         ctx = [r.tokens for r in reqs]
-        b = make_batch_index([r.slot for r in reqs], [0] * len(reqs), [len(c) for c in ctx], "cpu")
-        ids = _pad(ctx)
+        lens_l = [len(c) for c in ctx]
+        sl = self._slots(reqs)
+        b = make_batch_index([r.slot for r in reqs], [0] * len(reqs), lens_l, self.device)
+        ids = _pad(ctx, self.device)
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
-        lens = torch.tensor([len(c) for c in ctx])
-        last = normed[torch.arange(len(reqs)), lens - 1]
-        logits = self.model.logits(last)
-        # sample x_L from the prompt's last position; then the state is "trunk holds 0..L-2"
+        lens = torch.tensor(lens_l, device=self.device)
+        rows = torch.arange(len(reqs), device=self.device)
+        logits = self.model.logits(normed[rows, lens - 1])
+        if self.gamma:  # MTP runs over the prompt in the first draft pass, batched with the others
+            pos = b.positions.clamp(max=self.cache_len - 1)
+            self.hid[sl[:, None], pos] = mtp_in.to(self.hid.dtype)
+            self.tok[sl[:, None], pos] = ids
+            self.valid[sl] = 0
         new_tokens = self._sample(reqs, logits)
-        alive, hid = [], []
+        if self.gamma:
+            self.tok[sl, lens] = new_tokens
         for i, r in enumerate(reqs):
-            self._commit(r, [int(new_tokens[i])], [logits[i]])
+            self._commit(r, [int(new_tokens[i])], logits[i: i + 1])
             self._check_done(r)
-            if not r.finished:
-                alive.append(r)
-                hid.append(mtp_in[i, : lens[i]])
-        if self.gamma and alive:
-            self._extend_mtp(alive, hid, old_len=[0] * len(alive))
 
     def _sample(self, reqs: list[Request], logits: Tensor) -> Tensor:
-        probs = process_logits(logits, self._sampling(reqs))
-        return sample_rows(probs, [r.generator for r in reqs])
+        probs = process_logits(logits, self._sampling(reqs), self.sampling_dtype)
+        u = round_uniforms([r.generator for r in reqs], 1, self.sampling_dtype, self.device)
+        return sample_with_uniform(probs, u[:, 0])
 
+    @torch.no_grad()
     def _plain_round(self, reqs: list[Request]) -> None:
-        L = [len(r.tokens) for r in reqs]
-        b = make_batch_index([r.slot for r in reqs], [n - 1 for n in L], [1] * len(reqs), "cpu")
-        ids = torch.tensor([[r.tokens[-1]] for r in reqs])
-        normed, _ = self.model.trunk(ids, self.trunk_cache, b)
+        B = len(reqs)
+        L = torch.tensor([len(r.tokens) for r in reqs], device=self.device)
+        b = make_batch_index([r.slot for r in reqs], L - 1, torch.ones_like(L), N=1)
+        ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
+        normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         logits = self.model.logits(normed[:, 0])
         toks = self._sample(reqs, logits)
+        if self.gamma:
+            sl = b.slots
+            self.hid[sl, L - 1] = mtp_in[:, 0].to(self.hid.dtype)
+            self.tok[sl, L] = toks
+            self.total_plain_steps += B
         for i, r in enumerate(reqs):
-            self._commit(r, [int(toks[i])], [logits[i]])
+            self._commit(r, [int(toks[i])], logits[i: i + 1])
             self._check_done(r)
 
-    def _speculative_round(self, reqs: list[Request]) -> None:
-        g = self.gamma
+    @torch.no_grad()
+    def _speculative_round(self, reqs: list[Request], g: int) -> None:
         B = len(reqs)
+        dev = self.device
         st = self._sampling(reqs)
-        greedy = st.temperature <= 0
         mode = self.spec.verify
-        gens = [r.generator for r in reqs]
-        # ---- 1. draft
-        drafts, q = self._draft(reqs, st)
+        L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
+        sl = self._slots(reqs)
+        u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
+        # ---- 1. draft (each depth once, extending over its committed positions as it drafts)
+        slot_l = [r.slot for r in reqs]
+        drafts, q = self._draft(sl, L, st, g, u[:, :g], slot_l)
         # ---- 2. verify
-        L = [len(r.tokens) for r in reqs]
-        b = make_batch_index([r.slot for r in reqs], [n - 1 for n in L], [g + 1] * B, "cpu")
-        ids = torch.cat([torch.tensor([[r.tokens[-1]] for r in reqs]), drafts], dim=1)
+        b = make_batch_index(slot_l, L - 1, torch.full_like(L, g + 1), N=g + 1)
+        last = self.tok[sl, L - 1]
+        ids = torch.cat([last[:, None], drafts], dim=1)
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
+        self.hid[sl[:, None], b.positions] = mtp_in.to(self.hid.dtype)
         logits = self.model.logits(normed)  # [B, γ+1, V]
-        p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1)).view(B, g + 1, -1)
-        num_acc = torch.zeros(B, dtype=torch.long)
-        nxt = torch.zeros(B, dtype=torch.long)
-        for sel_mode, sel in (("greedy", greedy), (mode, ~greedy)):
-            idx = sel.nonzero(as_tuple=True)[0]
-            if len(idx) == 0:
-                continue
-            res = verify_chain(p[idx], q[idx], drafts[idx], sel_mode, [gens[i] for i in idx.tolist()])
-            num_acc[idx], nxt[idx] = res.num_accepted, res.next_token
-        # ---- 3. commit + extend
-        hid, old_len, alive = [], [], []
+        p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
+        res = verify_chain(p, q, drafts, mode, uniforms=u[:, g:])
+        num_acc, nxt = res.num_accepted, res.next_token
+        rows = torch.arange(B, device=dev)
+        emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+        emitted[rows, num_acc] = nxt
+        self.tok[sl[:, None], L[:, None] + torch.arange(g + 1, device=dev)] = emitted
+        # ---- 3. commit + metrics (one host transfer)
+        em_l, m_l = emitted.tolist(), num_acc.tolist()
         for i, r in enumerate(reqs):
-            m = int(num_acc[i])
-            emitted = drafts[i, :m].tolist() + [int(nxt[i])]
+            m = m_l[i]
+            left = r.params.max_new_tokens - len(r.output_ids)
             before = len(r.tokens)
-            self._commit(r, emitted, [logits[i, j] for j in range(m + 1)])
-            # drafts past a stop token or the length limit are discarded, not accepted
-            m = min(m, len(r.tokens) - before)
+            self._commit(r, em_l[i][: m + 1], logits[i, : m + 1])
+            n_emit = len(r.tokens) - before
+            stop_at = next((j + 1 for j in range(min(m, n_emit)) if self._stops_at_token(r, em_l[i][j])), None)
+            proposed, acc, reached = step_counts(g, m, n_emit, left, stop_at)
             if r.spec_record_topk:
                 k = min(r.spec_record_topk, p.shape[-1])
                 top = p[i, :g].topk(k, dim=-1)
-                r.spec_records.append({"pos": L[i] - 2, "accepted": m, "topk_ids": top.indices.tolist(),
+                r.spec_records.append({"pos": before - 2, "accepted": acc, "topk_ids": top.indices.tolist(),
                                        "topk_probs": [[round(x, 6) for x in row] for row in top.values.tolist()]})
             r.verify_ct += 1
-            r.proposed += g
-            r.accepted += m
-            for j in range(m):
+            r.proposed += proposed
+            r.accepted += acc
+            r.verify_tokens += n_emit
+            for j in range(reached):  # draft j+1 reached: drafts 1..j accepted, j+1 proposed
+                r.reached_per_depth[j] += 1
+                self.total_reached_per_depth[j] += 1
+                self._life_reach[j] += 1
+            for j in range(acc):
                 r.accepted_per_depth[j] += 1
+                self.total_accepted_per_depth[j] += 1
+                self._life_acc[j] += 1
             self.total_verify_ct += 1
-            self.total_proposed_drafts += g
-            self.total_accepted_drafts += m
+            self.total_proposed_drafts += proposed
+            self.total_accepted_drafts += acc
+            self.total_verify_tokens += n_emit
             self._check_done(r)
-            if not r.finished:
-                hid.append(mtp_in[i, : len(r.tokens) - before])
-                old_len.append(before)
-                alive.append(r)
-        if alive:
-            self._extend_mtp(alive, hid, old_len)
+        # running per-depth acceptance for the γ choice
+        for j in range(g):  # lifetime counts (not reset by reset_stats), with a weak prior at 0.7
+            self._alpha[j] = (self._life_acc[j] + 1.4) / (self._life_reach[j] + 2.0)
 
-    def _draft(self, reqs: list[Request], st: SamplingTensors) -> tuple[Tensor, Tensor]:
-        """γ drafts per request and the processed draft distributions q [B, γ, V] they came from.
-        Depth k's draft comes from its output at position L-2."""
-        g, B = self.gamma, len(reqs)
-        greedy = st.temperature <= 0
-        mode = self.spec.verify
-        gens = [r.generator for r in reqs]
-        drafts = torch.zeros(B, g, dtype=torch.long)
+    @torch.no_grad()
+    def _draft(self, sl: Tensor, L: Tensor, st: SamplingTensors, g: int, u: Tensor,
+               slot_l: Optional[list[int]] = None) -> tuple[Tensor, Tensor]:
+        """γ drafts per row and the processed draft distributions q [B, γ, V] they came from.
+
+        Depth k runs once over positions b_k..L-2 (all rows in one padded batch) and drafts from
+        its output at L-2; see the module docstring."""
+        dev = self.device
+        B = sl.shape[0]
+        rows = torch.arange(B, device=dev)
+        a = self.valid[sl, 1: g + 1]  # [B, γ] first position not yet computed, per depth
+        starts = [a[:, g - 1]]
+        for k in range(g - 1, 0, -1):  # depth k needs depth k-1's outputs from b_k (or its carry at b_k)
+            nxt = starts[0]
+            starts.insert(0, torch.where(a[:, k - 1] <= nxt + 1, a[:, k - 1], nxt))
+        drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
         q_rows = []
-        scratch = [r.carry[1].new_zeros(0, r.carry[1].shape[-1]) for r in reqs]  # depth-1 scratch: none
+        prev_out = prev_start = None
+        old_carry = self.carry[sl]  # a copy: depth k-1's pass moves its carry before depth k reads it
+        greedy = (st.temperature <= 0).to(dev)
         for k in range(1, g + 1):
+            start = starts[k - 1]
+            n = L - 1 - start
+            N = int(n.max())
+            ar = torch.arange(N, device=dev)
+            pos = start[:, None] + ar[None, :]
             if k == 1:
-                h_last = torch.stack([r.carry[1] for r in reqs])
+                H = self.hid[sl[:, None], pos.clamp(max=self.cache_len - 1)]
             else:
-                rows_h, rows_ids, starts, counts = [], [], [], []
-                for i, r in enumerate(reqs):
-                    L = len(r.tokens)
-                    start = max(0, L - k)  # scratch positions start..L-2 of depth k
-                    n = (L - 1) - start
-                    parts = ([r.carry[k - 1].unsqueeze(0)] if L - k >= 0 else []) + [scratch[i]]
-                    rows_h.append(torch.cat(parts)[-n:])
-                    rows_ids.append(drafts[i, : k - 1].tolist()[-n:])  # x_{s+k} are drafts here
-                    starts.append(start)
-                    counts.append(n)
-                b = make_batch_index([r.slot for r in reqs], starts, counts, "cpu")
-                out = self.model.mtp_step(k - 1, _pad_h(rows_h), _pad(rows_ids), self.mtp_caches[k - 1], b)
-                scratch = [out[i, : counts[i]] for i in range(B)]
-                h_last = torch.stack([out[i, counts[i] - 1] for i in range(B)])
-            q = process_logits(self.model.logits(h_last), st)
-            q_rows.append(q)
-            drafts[:, k - 1] = torch.where(greedy, q.argmax(-1), draft_tokens(q, mode, gens))
+                P = torch.cat([old_carry[:, k - 1][:, None], prev_out], dim=1)
+                off = (start - prev_start + 1)[:, None] + ar[None, :]
+                H = P[rows[:, None], off.clamp(max=P.shape[1] - 1)]
+            t_idx = pos + k  # x_{s+k}: committed below L, else draft d_{s+k-L+1}
+            committed = self.tok[sl[:, None], t_idx.clamp(max=self.cache_len - 1)]
+            if k > 1:
+                from_draft = drafts[rows[:, None], (t_idx - L[:, None]).clamp(0, g - 1)]
+                ids = torch.where(t_idx < L[:, None], committed, from_draft)
+            else:
+                ids = committed
+            b = make_batch_index(slot_l if slot_l is not None else sl, start, n, N=N)
+            out = self.model.mtp_step(k - 1, H, ids, self.mtp_caches[k - 1], b)
+            # carry = output at the last committed position L-1-k; valid end L-k
+            ci = (L - 1 - k - start)
+            has = ci >= 0
+            self.carry[sl, k] = torch.where(has[:, None], out[rows, ci.clamp(min=0)], self.carry[sl, k])
+            self.valid[sl, k] = (L - k).clamp(min=0)
+            h_last = out[rows, n - 1]
+            qk = process_logits(self.model.logits(h_last), st, self.sampling_dtype)
+            q_rows.append(qk)
+            if self.spec.verify == "rejection":
+                d = sample_with_uniform(qk, u[:, k - 1])
+            else:
+                d = qk.argmax(-1)
+            drafts[:, k - 1] = torch.where(greedy, qk.argmax(-1), d)
+            prev_out, prev_start = out, start
         return drafts, torch.stack(q_rows, dim=1)
 
-    def _extend_mtp(self, reqs: list[Request], trunk_hidden: list[Tensor], old_len: list[int]) -> None:
-        """After tokens were committed (old_len -> len(tokens) per request), extend every MTP depth
-        over its newly complete positions with the real tokens.
-
-        Depth k covers [max(0, old-k), max(0, L-k)) (depth 1: the trunk's new positions
-        [max(0, old-1), L-1), whose hidden states are ``trunk_hidden``); depth k's inputs are depth
-        k-1's outputs at those positions: its new outputs, preceded by its previous carry.
-        """
-        old_carry = [list(r.carry) for r in reqs]
-        prev = trunk_hidden
-        prev_start = [max(0, o - 1) for o in old_len]
-        for k in range(1, self.gamma + 1):
-            rows_h, rows_ids, starts, counts = [], [], [], []
-            for i, r in enumerate(reqs):
-                L = len(r.tokens)
-                start, end = max(0, old_len[i] - k), max(0, L - k)
-                avail, a0 = prev[i], prev_start[i]
-                if start < a0:  # the first needed input is depth k-1's previous last output
-                    avail = torch.cat([old_carry[i][k - 1].unsqueeze(0), avail])
-                    a0 -= 1
-                rows_h.append(avail[start - a0: end - a0])
-                rows_ids.append(r.tokens[start + k: end + k])
-                starts.append(start)
-                counts.append(end - start)
-            active = [i for i, n in enumerate(counts) if n > 0]
-            new_prev = [torch.zeros(0, self.model.config.hidden_size) for _ in reqs]
-            if active:
-                b = make_batch_index([reqs[i].slot for i in active], [starts[i] for i in active],
-                                     [counts[i] for i in active], "cpu")
-                out = self.model.mtp_step(k - 1, _pad_h([rows_h[i] for i in active]),
-                                          _pad([rows_ids[i] for i in active]), self.mtp_caches[k - 1], b)
-                for j, i in enumerate(active):
-                    new_prev[i] = out[j, : counts[i]]
-                    reqs[i].carry[k] = new_prev[i][-1]
-            prev, prev_start = new_prev, starts
-
-    def _commit(self, r: Request, tokens: list[int], logits_rows: list[Tensor]) -> None:
+    def _commit(self, r: Request, tokens: list[int], logits_rows: Tensor) -> None:
         lp = None
         if r.return_logprob:
             t = r.params.temperature if r.params.temperature > 0 else 1.0
-            lp = [torch.log_softmax(row.double() / t, -1)[tok].item() for row, tok in zip(logits_rows, tokens)]
+            lsm = torch.log_softmax(logits_rows[: len(tokens)].double() / t, -1)
+            lp = lsm.gather(-1, torch.tensor(tokens, device=lsm.device)[:, None]).squeeze(-1).tolist()
         for j, tok in enumerate(tokens):
             r.tokens.append(tok)
             r.output_ids.append(tok)
@@ -484,30 +604,71 @@ class Engine:
             return loaded
 
     def stats(self) -> dict:
-        ver = max(self.total_verify_ct, 1)
+        ver = self.total_verify_ct
+        g = self.gamma
+        reached = self.total_reached_per_depth
         return {
-            "spec_verify_ct": self.total_verify_ct,
-            "avg_spec_accept_length": (self.total_accepted_drafts + self.total_verify_ct) / ver
-            if self.total_verify_ct else 0.0,
+            "spec_verify_ct": ver,
+            # tokens emitted by verify steps / verify steps (the prefill's token is not a verify token)
+            "avg_spec_accept_length": self.total_verify_tokens / ver if ver else 0.0,
+            # accepted / drafts that could still be emitted
             "spec_accept_rate": self.total_accepted_drafts / max(self.total_proposed_drafts, 1),
+            "spec_accepted_drafts": self.total_accepted_drafts,
+            "spec_proposed_drafts": self.total_proposed_drafts,
+            "spec_accepted_per_depth": list(self.total_accepted_per_depth),
+            "spec_reached_per_depth": list(reached),
+            "spec_alpha_per_depth": [a / r if r else 0.0 for a, r in zip(self.total_accepted_per_depth, reached)],
+            "spec_gamma_max": g,
+            "spec_gamma_last": self.last_gamma if g else 0,
+            "spec_gamma_hist": list(self.gamma_hist),
+            "spec_plain_steps": self.total_plain_steps,
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
             "total_generated_tokens": self.total_generated,
         }
 
+    @property
+    def total_verify_ct(self) -> int:
+        return self._total_verify_ct
 
-def _pad(rows: list[list[int]]) -> Tensor:
+    @total_verify_ct.setter
+    def total_verify_ct(self, v: int) -> None:
+        """Code that resets the counters by hand (``eng.total_verify_ct = 0``) resets them all."""
+        self._total_verify_ct = v
+        if v == 0:
+            self.total_verify_tokens = self.total_plain_steps = 0
+            self.total_accepted_per_depth = [0] * self.gamma
+            self.total_reached_per_depth = [0] * self.gamma
+            self.gamma_hist = [0] * (self.gamma + 1)
+
+    def reset_stats(self) -> None:
+        self.total_verify_ct = self.total_generated = self.total_accepted_drafts = self.total_proposed_drafts = 0
+        self.total_verify_tokens = self.total_plain_steps = 0
+        self.total_accepted_per_depth = [0] * self.gamma
+        self.total_reached_per_depth = [0] * self.gamma
+        self.gamma_hist = [0] * (self.gamma + 1)
+
+
+def step_counts(gamma: int, num_accepted: int, emitted: int, tokens_left: int,
+                stop_at: Optional[int]) -> tuple[int, int, int]:
+    """Acceptance counters of one verify step: (proposed, accepted, reached depths).
+
+    ``num_accepted`` drafts were accepted by the verifier, ``emitted`` tokens were committed
+    (fewer when the request ended inside the step), ``tokens_left`` could still be emitted before
+    the step, ``stop_at`` is the 1-based index of an accepted draft that is a stop token (None if
+    none). Proposed = drafts that could still be emitted: not past the length limit, not past an
+    accepted stop. Depth k is reached when drafts 1..k-1 were accepted and draft k was proposed."""
+    proposed = min(gamma, tokens_left)
+    if stop_at is not None:
+        proposed = min(proposed, stop_at)
+    accepted = min(num_accepted, emitted, proposed)
+    reached = min(proposed, accepted + 1)
+    return proposed, accepted, reached
+
+
+def _pad(rows: list[list[int]], device=None) -> Tensor:
     N = max(1, max(len(r) for r in rows))
     out = torch.zeros(len(rows), N, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
-
-
-def _pad_h(rows: list[Tensor]) -> Tensor:
-    N = max(1, max(r.shape[0] for r in rows))
-    h = rows[0].shape[-1]
-    out = torch.zeros(len(rows), N, h, dtype=rows[0].dtype)
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r
-    return out
+    return out.to(device)

@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import httpx
 
 from bebop_megatron.parallel import free_port
+from bebop_megatron.rollout.protocol import server_command
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -30,13 +31,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 class LocalServer:
     def __init__(self, model_path: str | Path, extra_args: Sequence[str] = (), log_dir: Optional[Path] = None,
-                 threads: Optional[int] = 1, api_key: Optional[str] = None):
+                 threads: Optional[int] = 1, api_key: Optional[str] = None,
+                 command: Optional[Callable[[int], list[str]]] = None):
+        """``command(port)`` gives the full command line (``protocol.server_command``); by default
+        ``bebop serve`` on ``model_path`` with ``extra_args``."""
         self.model_path = Path(model_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.cmd = [sys.executable, "-m", "bebop_megatron.cli", "serve", "--model-path", str(model_path),
-                    "--port", str(self.port), *extra_args] + (["--api-key", api_key] if api_key else [])
+        self.cmd = command(self.port) if command is not None else server_command(
+            None, "bebop", model_path=str(model_path), port=self.port, api_key=api_key, extra=extra_args)
         log_dir = Path(log_dir or self.model_path)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{self.port}.log"
@@ -84,9 +88,10 @@ class LocalServer:
 
 
 def start_local_servers(model_path: str | Path, n: int, extra_args: Sequence[str] = (), log_dir=None,
-                        threads: int = 1, api_key: Optional[str] = None) -> list[LocalServer]:
+                        threads: int = 1, api_key: Optional[str] = None,
+                        command: Optional[Callable[[int], list[str]]] = None) -> list[LocalServer]:
     """Start ``n`` servers in parallel and wait until every one answers /health."""
-    servers = [LocalServer(model_path, extra_args, log_dir, threads, api_key) for _ in range(n)]
+    servers = [LocalServer(model_path, extra_args, log_dir, threads, api_key, command) for _ in range(n)]
     try:
         for s in servers:
             s.wait_ready()

@@ -101,6 +101,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
+        if dtype in (torch.float32, torch.float64):  # fused kernel, same arithmetic as below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -135,11 +137,8 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values = cache.write_and_read(k, v, batch)  # [B, nkv, L, hd]
-        rep = c.num_attention_heads // c.num_key_value_heads
-        if rep > 1:
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=batch.attn_mask)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=batch.attn_mask,
+                                             enable_gqa=c.num_attention_heads != c.num_key_value_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
 
 
@@ -182,7 +181,10 @@ class MTPModule(nn.Module):
 
 @dataclass
 class BatchIndex:
-    """Where a padded batch of rows reads and writes: slot, first position, valid tokens per row."""
+    """Where a padded batch of rows reads and writes: slot, first position, valid tokens per row.
+
+    Padded positions (past a row's length) are written too: they lie past every valid entry of
+    that row's stream and are overwritten before they are ever read as context."""
 
     slots: Tensor  # [B]
     start: Tensor  # [B]
@@ -190,17 +192,31 @@ class BatchIndex:
     positions: Tensor  # [B, N]
     attn_mask: Tensor  # [B, 1, N, L] bool, True = attend
     span: int  # L: keys read per row
+    slot_range: Optional[tuple[int, int]] = None  # (first, count) when slots are consecutive: caches read as views
 
 
-def make_batch_index(slots: list[int], starts: list[int], lengths: list[int], device) -> BatchIndex:
-    B, N = len(slots), max(lengths)
-    start = torch.tensor(starts, device=device)
-    lens = torch.tensor(lengths, device=device)
+def make_batch_index(slots, starts, lengths, device=None, N: Optional[int] = None) -> BatchIndex:
+    """Lists or tensors (on the model's device) of slots, first positions and new tokens per row."""
+    if device is None:
+        device = next((t.device for t in (starts, lengths) if isinstance(t, Tensor)), None)
+    if not isinstance(slots, Tensor):
+        slot_list = [int(x) for x in slots]
+        slots = torch.tensor(slot_list, dtype=torch.long, device=device)
+    else:
+        slot_list = None
+        device = slots.device
+    start = starts if isinstance(starts, Tensor) else torch.tensor(starts, dtype=torch.long, device=device)
+    lens = lengths if isinstance(lengths, Tensor) else torch.tensor(lengths, dtype=torch.long, device=device)
+    if N is None:
+        N = int(lens.max())
     positions = start[:, None] + torch.arange(N, device=device)[None, :]
     span = int((start + lens).max())
     keys = torch.arange(span, device=device)
     mask = keys[None, None, :] <= positions[:, :, None]  # causal within the slot
-    return BatchIndex(torch.tensor(slots, device=device), start, lens, positions, mask.unsqueeze(1), span)
+    rng = None
+    if slot_list is not None and slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
+        rng = (slot_list[0], len(slot_list))
+    return BatchIndex(slots, start, lens, positions, mask.unsqueeze(1), span, rng)
 
 
 class LayerCache:
@@ -209,12 +225,16 @@ class LayerCache:
         self.v = torch.zeros_like(self.k)
 
     def write_and_read(self, k: Tensor, v: Tensor, b: BatchIndex) -> tuple[Tensor, Tensor]:
-        B, N = k.shape[:2]
-        valid = torch.arange(N, device=k.device)[None, :] < b.lengths[:, None]
-        rows, cols = valid.nonzero(as_tuple=True)
-        slot_idx, pos_idx = b.slots[rows], b.positions[rows, cols]
-        self.k[slot_idx, :, pos_idx] = k[rows, cols].to(self.k.dtype)
-        self.v[slot_idx, :, pos_idx] = v[rows, cols].to(self.v.dtype)
+        """Write every row's N new entries (padding included, clamped to the cache), read the
+        first ``span`` keys of each row's slot: a view when the slots are consecutive."""
+        pos = b.positions.clamp(max=self.k.shape[2] - 1)
+        sl = b.slots[:, None].expand_as(pos)
+        # k: [B, N, kv, hd] -> cache[slot, :, pos] takes [B, N, kv, hd] with advanced indices first
+        self.k.permute(0, 2, 1, 3).index_put_((sl, pos), k.to(self.k.dtype))
+        self.v.permute(0, 2, 1, 3).index_put_((sl, pos), v.to(self.v.dtype))
+        if b.slot_range is not None:
+            s0, n = b.slot_range
+            return self.k[s0: s0 + n, :, : b.span], self.v[s0: s0 + n, :, : b.span]
         return self.k[b.slots, :, : b.span], self.v[b.slots, :, : b.span]
 
 
@@ -241,15 +261,25 @@ class CausalLMWithMTP(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_mtp_modules)])
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         self.register_buffer("inv_freq", inv.float(), persistent=False)
+        self._rope_tables: dict = {}  # (dtype, device) -> (cos, sin) [positions, hd]
 
     @property
     def has_mtp(self) -> bool:
         return len(self.mtp) > 0
 
     def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions.double()[..., None] * self.inv_freq.double()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
+        """cos/sin [B, N, 1, hd] from a table precomputed (in float64, then cast) per dtype/device."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        key = (dtype, positions.device)
+        tab = self._rope_tables.get(key)
+        if tab is None or tab[0].shape[0] < need:
+            n = max(need, 4096, 2 * (tab[0].shape[0] if tab is not None else 0))
+            pos = torch.arange(n, dtype=torch.float64, device=positions.device)
+            freqs = pos[:, None] * self.inv_freq.to(positions.device).double()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            tab = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._rope_tables[key] = tab
+        return tab[0][positions][:, :, None, :], tab[1][positions][:, :, None, :]
 
     def logits(self, hidden: Tensor) -> Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

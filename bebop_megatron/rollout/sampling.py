@@ -14,8 +14,14 @@ the target p token by token):
 * ``greedy`` (temperature 0): accept while the draft equals argmax p; bit-identical to argmax
   decoding given the same logits.
 
-Randomness is per request: every row draws its float64 uniforms from its own
-``torch.Generator``, so a request's tokens do not depend on what else is in the batch.
+Randomness is per request: every row draws its uniforms from its own ``torch.Generator``, so a
+request's tokens do not depend on what else is in the batch.
+
+Two precisions: the float64 reference (``process_logits(..., dtype=torch.float64)``, uniforms
+drawn per call from the generators) and the float32 fast path the engine uses (softmax, inverse
+CDF and the acceptance test in float32, all uniforms of a round given as one tensor drawn with
+one call per request: ``round_uniforms``). Both are exact samplers of the target law up to
+their floating-point rounding; the statistical tests run on both.
 """
 
 from __future__ import annotations
@@ -53,19 +59,20 @@ class SamplingTensors:
                                  (self.temperature, self.top_k, self.top_p, self.min_p)))
 
 
-def process_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
-    """Logits [B, V] -> sampling distribution [B, V] (float64), per-row params.
+def process_logits(logits: Tensor, st: SamplingTensors, dtype=torch.float64) -> Tensor:
+    """Logits [B, V] -> sampling distribution [B, V] (``dtype``: float64 reference, float32 fast), per-row params.
 
     Temperature scales, then top-k, top-p (smallest set with mass >= top_p, the top token always
     kept) and min-p (keep p >= min_p * max p) truncate; rows with temperature 0 become one-hot
     on the argmax (ties: lowest id, as torch.argmax).
     """
-    z = logits.double()
+    z = logits.to(dtype)
     greedy = st.temperature <= 0
-    t = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    t = torch.where(greedy, torch.ones_like(st.temperature), st.temperature).to(device=z.device, dtype=dtype)
     z = z / t.unsqueeze(-1)
     V = z.shape[-1]
-    k = torch.where(st.top_k > 0, st.top_k.clamp(max=V), torch.full_like(st.top_k, V))
+    top_k = st.top_k.to(z.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     if bool((k < V).any()):
         kth = torch.sort(z, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
         z = z.masked_fill(z < kth, float("-inf"))
@@ -73,17 +80,17 @@ def process_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
     if bool((st.top_p < 1).any()):
         sp, idx = torch.sort(probs, dim=-1, descending=True)
         cum_before = sp.cumsum(-1) - sp
-        drop_sorted = cum_before >= st.top_p.unsqueeze(-1)
+        drop_sorted = cum_before >= st.top_p.to(device=z.device, dtype=dtype).unsqueeze(-1)
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if bool((st.min_p > 0).any()):
-        thresh = probs.max(-1, keepdim=True).values * st.min_p.unsqueeze(-1)
+        thresh = probs.max(-1, keepdim=True).values * st.min_p.to(device=z.device, dtype=dtype).unsqueeze(-1)
         probs = probs.masked_fill(probs < thresh, 0.0)
     probs = probs / probs.sum(-1, keepdim=True)
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(-1), onehot, probs)
+        probs = torch.where(greedy.to(z.device).unsqueeze(-1), onehot, probs)
     return probs
 
 
@@ -93,15 +100,25 @@ def sample_rows(probs: Tensor, generators: Sequence[Optional[torch.Generator]]) 
     return _inverse_cdf(probs, u)
 
 
-def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    cdf = probs.double().cumsum(-1)
-    x = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+def round_uniforms(generators: Sequence[Optional[torch.Generator]], n: int, dtype=torch.float32,
+                   device=None) -> Tensor:
+    """All the uniforms a request needs for one round, [B, n]: one draw per request."""
+    u = torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])
+    return u.to(device=device, dtype=dtype)
+
+
+def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row by inverse CDF with the given uniforms [B], in probs' dtype."""
+    return _inverse_cdf(probs, u.to(probs.dtype), exact=False)
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor, exact: bool = True) -> Tensor:
+    cdf = (probs.double() if exact else probs).cumsum(-1)
+    x = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     x = x.clamp(max=probs.shape[-1] - 1)
     # never return a zero-probability id (u*total can land on a flat cdf segment's end)
     bad = probs.gather(-1, x.unsqueeze(-1)).squeeze(-1) <= 0
-    if bool(bad.any()):
-        x = torch.where(bad, probs.argmax(-1), x)
-    return x
+    return torch.where(bad, probs.argmax(-1), x)
 
 
 def draft_tokens(draft_probs: Tensor, mode: str, generators) -> Tensor:
@@ -130,7 +147,8 @@ def verify_chain(
     draft_probs: Tensor,
     drafts: Tensor,
     mode: str,
-    generators: Sequence[Optional[torch.Generator]],
+    generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+    uniforms: Optional[Tensor] = None,
 ) -> VerifyResult:
     """Verify γ chained drafts per row.
 
@@ -140,21 +158,29 @@ def verify_chain(
         draft_probs: [B, γ, V] processed draft distributions the drafts came from.
         drafts: [B, γ] draft tokens.
         mode: rejection | target_only | greedy.
-        generators: one per row (None: the global generator).
+        generators: one per row (None: the global generator); the float64 reference path.
+        uniforms: [B, γ+1] instead of generators: the fast path, computed in target_probs' dtype
+            (u[:, j] tests draft j, u[:, γ] draws the next token). Greedy needs neither.
     """
     if mode not in VERIFY_MODES:
         raise ValueError(f"unknown verification mode {mode!r}; one of {VERIFY_MODES}")
     B, g1, V = target_probs.shape
     gamma = g1 - 1
-    p = target_probs.double()
+    fast = uniforms is not None
+    p = target_probs if fast else target_probs.double()
+    qd = (draft_probs if fast else draft_probs.double()) if draft_probs is not None else None
     p_at = p[:, :gamma].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, γ]
     if mode == "greedy":
         accept = drafts == p[:, :gamma].argmax(-1)
     else:
-        u = torch.stack([torch.rand(gamma, generator=g, dtype=torch.float64) for g in generators]).to(p.device)
+        if fast:
+            u = uniforms[:, :gamma].to(device=p.device, dtype=p.dtype)
+        else:
+            u = torch.stack([torch.rand(gamma, generator=g, dtype=torch.float64) for g in generators]).to(p.device)
         if mode == "rejection":
-            q_at = draft_probs.double().gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-            ratio = torch.where(q_at > 0, p_at / q_at.clamp_min(1e-300), torch.zeros_like(p_at))
+            q_at = qd.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+            tiny = torch.finfo(p.dtype).tiny
+            ratio = torch.where(q_at > 0, p_at / q_at.clamp_min(tiny), torch.zeros_like(p_at))
             accept = u < ratio.clamp(max=1.0)
         else:  # target_only: draft is argmax q, accepted with probability p(x)
             accept = u < p_at
@@ -167,20 +193,25 @@ def verify_chain(
         return VerifyResult(num_accepted, p_next.argmax(-1))
     rejected = num_accepted < gamma
     if mode == "rejection":
-        q_stop = torch.zeros_like(p_next)
         if gamma > 0:
-            q_stop[rejected] = draft_probs.double()[rows[rejected], stop[rejected]]
-        residual = (p_next - q_stop).clamp_min(0.0)
+            q_stop = qd[rows, stop.clamp(max=gamma - 1)] * rejected.unsqueeze(-1).to(p.dtype)
+            residual = (p_next - q_stop).clamp_min(0.0)
+        else:
+            residual = p_next
     else:
-        residual = p_next.clone()
+        residual = p_next
         if gamma > 0:
-            x = drafts[rows[rejected], stop[rejected]]
-            residual[rows[rejected], x] = 0.0
+            x = drafts[rows, stop.clamp(max=gamma - 1)]
+            residual = p_next.scatter(-1, x.unsqueeze(-1), torch.where(
+                rejected, torch.zeros_like(p_next[:, 0]), p_next.gather(-1, x.unsqueeze(-1)).squeeze(-1)).unsqueeze(-1))
     # rows with all drafts accepted draw the bonus from p; an empty residual (p == q up to
     # rounding) falls back to p, which is then the exact conditional anyway
-    empty = residual.sum(-1) <= 1e-12
+    empty = residual.sum(-1) <= (1e-12 if p.dtype == torch.float64 else 1e-6)
     dist = torch.where((rejected & ~empty).unsqueeze(-1), residual, p_next)
-    next_token = sample_rows(dist, generators)
+    if fast:
+        next_token = sample_with_uniform(dist, uniforms[:, gamma].to(p.device))
+    else:
+        next_token = sample_rows(dist, generators)
     return VerifyResult(num_accepted, next_token)
 
 

@@ -7,9 +7,21 @@ Request and response JSON follow SGLang (``/generate`` with ``text`` | ``input_i
 draft counts are reported under every key spelling SGLang has used, so clients of any version
 (slime, verl) read real acceptance instead of 0.
 
-Safety: binds 127.0.0.1 unless told otherwise; optional API key (``Authorization: Bearer``);
-``/update_weights_from_tensor`` takes only safetensors payloads (never pickles); malformed
-requests get a 4xx JSON error and the server keeps serving.
+Reliability (docs/reliability.md):
+
+* every body is read under a size limit and parsed with bounded depth and number sizes, then
+  checked by one validator (:mod:`bebop_megatron.rollout.validation`) before anything reaches the
+  engine: a bad request fails alone with a 4xx;
+* the event loop never waits for the engine: new requests go through an inbox that the engine
+  thread drains between steps, aborts are flags, and weight loads run in worker threads, so
+  ``/health`` and ``/abort_request`` answer at once under load;
+* streaming sends immutable snapshots taken by the engine thread, so the final event (with its
+  ``finish_reason``) always precedes ``[DONE]``;
+* a client that disconnects (streaming or not) has its requests aborted.
+
+Safety: binds 127.0.0.1 unless told otherwise; optional API key (``Authorization: Bearer``; from
+``--api-key``, ``--api-key-file`` or ``BEBOP_API_KEY``); ``/update_weights_from_tensor`` takes only
+safetensors payloads (never pickles); ``/update_weights_from_disk`` reads regular files only.
 """
 
 from __future__ import annotations
@@ -17,96 +29,203 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import copy
+import hmac
 import json
 import logging
+import os
+import stat
+import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from starlette.background import BackgroundTask
 
-from bebop_megatron.rollout.engine import Engine, Request, RequestError, SamplingParams, SpecConfig
+from bebop_megatron.rollout.engine import Engine, Request, SamplingParams, SpecConfig
 from bebop_megatron.rollout.modeling import CausalLMWithMTP
+from bebop_megatron.rollout.validation import (MAX_BATCH, MAX_N, BadRequest, GenerateInput, Limits, as_bool,
+                                               as_int, as_str, parse_json_object, validate_generate)
 
 log = logging.getLogger("bebop.serve")
 
-SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-                      "ignore_eos", "n", "seed", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens",
-                      "sampling_seed"}
-# accepted only at their neutral values (the embedded engine does not implement them)
-NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "min_new_tokens": 0, "regex": None, "json_schema": None, "ebnf": None,
-                    "structural_tag": None, "logit_bias": None, "custom_params": None}
-MAX_N = 64
-MAX_BATCH = 1024
+__all__ = ["BebopServer", "BadRequest", "MAX_BATCH", "MAX_N", "add_serve_args", "build_server", "serve"]
+
+MAX_BODY_BYTES = 16 << 20  # every route but the weight payload route
+MAX_WEIGHT_BODY_BYTES = 1 << 30  # /update_weights_from_tensor (base64 safetensors buckets)
+WEIGHT_PAYLOAD_ROUTES = ("/update_weights_from_tensor",)
+MAX_PATH_CHARS = 4096
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[dict, list[dict]]] = None
-    return_logprob: Optional[Union[bool, list[bool]]] = False
-    stream: bool = False
-    rid: Optional[Union[str, list[str]]] = None
-    # bebop extension (GrowMTP): record the verifier's target distribution as top-k per verify step
-    return_spec_records: int = 0
+# --------------------------------------------------------------------------- ASGI guard
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: Optional[str] = None
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    logprobs: Optional[int] = None
-    stream: bool = False
+class _Guard:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects): API key
+    (constant-time compare) and a body-size limit enforced on Content-Length and on the bytes
+    actually received (chunked bodies)."""
+
+    def __init__(self, app, server: "BebopServer"):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        s = self.server
+        path = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        if s.api_key and path != "/health":
+            got = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(got, f"Bearer {s.api_key}".encode()):
+                return await _send_json(send, 401, {"error": {"message": "invalid or missing API key"}})
+        limit = s.max_weight_body if path in WEIGHT_PAYLOAD_ROUTES else s.max_body
+        cl = headers.get(b"content-length")
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                return await _send_json(send, 400, {"error": {"message": "invalid Content-Length"}})
+            if n > limit:
+                return await _send_json(send, 413, _error_body(f"body of {n} bytes exceeds the limit of {limit}"))
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg.get("type") == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise BadRequest(f"body exceeds the limit of {limit} bytes", status=413)
+            return msg
+
+        await self.app(scope, limited_receive, send)
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+async def _send_json(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error_body(message: str) -> dict:
+    # SGLang-style error plus {success, message} (what its control routes answer on failure)
+    return {"error": {"message": message}, "success": False, "message": message}
+
+
+# --------------------------------------------------------------------------- engine thread
+
+
+class Submission:
+    """A batch of sequences waiting in the inbox; the engine thread turns it into Requests."""
+
+    def __init__(self, gi: GenerateInput, on_update: Callable[[int, Request], None], loop,
+                 resolve: Callable[[Optional[list], Optional[BaseException]], None]):
+        self.gi = gi
+        self.on_update = on_update
+        self.loop = loop
+        self.resolve = resolve
+        self.cancelled = False
+        self.reqs: list[Request] = []
 
 
 class EngineWorker:
-    """Runs ``engine.step()`` in a thread; HTTP handlers wait on per-request asyncio queues."""
+    """Runs ``engine.step()`` in a thread. HTTP handlers never take the engine lock: they put
+    submissions in an inbox that this thread drains between steps, and abort by flag."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.cv = threading.Condition()
+        self.inbox: list[Submission] = []
+        self.live: dict[int, Request] = {}  # id(request) -> request (dataclasses are unhashable)
+        self.live_lock = threading.Lock()
         self.paused = False
         self.stopping = False
         self.error: Optional[str] = None
         self.thread = threading.Thread(target=self._loop, name="bebop-engine", daemon=True)
         self.thread.start()
 
+    def submit(self, sub: Submission) -> None:
+        with self.cv:
+            self.inbox.append(sub)
+            self.cv.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.stopping and (self.paused or not self.engine.has_work()):
+                while not self.stopping and not self.inbox and (self.paused or not self.engine.has_work()):
                     self.cv.wait(timeout=0.5)
                 if self.stopping:
                     return
+                batch, self.inbox = self.inbox, []
+            for sub in batch:
+                try:
+                    self._admit(sub)
+                except Exception:  # noqa: BLE001 - never let one submission kill the engine thread
+                    log.exception("admitting a request failed")
+            if self.paused or not self.engine.has_work():
+                continue
             try:
                 self.engine.step()
-            except Exception as e:  # keep serving: fail the in-flight requests, not the server
+            except Exception as e:  # last resort (validation should make this unreachable)
                 log.exception("engine step failed")
                 self.error = repr(e)
                 with self.engine.lock:
                     for r in list(self.engine.running) + list(self.engine.waiting):
                         r.aborted = True
+
+    def _admit(self, sub: Submission) -> None:
+        gi, reqs = sub.gi, []
+        try:
+            for i, (ids, sp, lp, rid) in enumerate(zip(gi.prompts, gi.params, gi.return_logprob, gi.rids)):
+                reqs.append(self.engine.add_request(ids, sp, rid=rid, return_logprob=lp,
+                                                    spec_record_topk=gi.return_spec_records,
+                                                    on_update=_bind(sub.on_update, i)))
+        except Exception as e:  # noqa: BLE001 - the request fails alone
+            for r in reqs:
+                r.aborted = True
+            _call_in_loop(sub.loop, sub.resolve, None, BadRequest(f"request rejected: {e}"))
+            return
+        for i, r in enumerate(reqs):  # per-request response options (copied into snapshots)
+            r.return_text_in_logprobs = gi.return_text_in_logprobs
+            r.stream_interval = gi.stream_interval[i] if i < len(gi.stream_interval) else 1
+        with self.live_lock:
+            self.live.update((id(r), r) for r in reqs)
+        sub.reqs = reqs
+        if sub.cancelled:
+            for r in reqs:
+                r.aborted = True
+        _call_in_loop(sub.loop, sub.resolve, reqs, None)
+
+    def forget(self, reqs: list[Request]) -> None:
+        with self.live_lock:
+            for r in reqs:
+                self.live.pop(id(r), None)
+
+    def abort(self, rid: Optional[str]) -> int:
+        """Flag requests (all with rid=None) for abort; the engine reaps them at its next step.
+        Never waits for a step."""
+        n = 0
+        with self.live_lock:
+            for r in self.live.values():
+                if not r.finished and (rid is None or r.rid == rid) and not r.aborted:
+                    r.aborted = True
+                    n += 1
+        with self.cv:
+            for sub in self.inbox:
+                if rid is None or rid in sub.gi.rids:
+                    sub.cancelled = True
+                    n += sum(1 for x in sub.gi.rids if rid is None or x == rid)
+            self.cv.notify_all()
+        return n
 
     def wake(self) -> None:
         with self.cv:
@@ -119,63 +238,50 @@ class EngineWorker:
         self.thread.join(timeout=10)
 
 
-def _sampling_from_dict(d: dict) -> tuple[SamplingParams, int]:
-    if not isinstance(d, dict):
-        raise BadRequest("sampling_params must be an object")
-    unknown = set(d) - SUPPORTED_SAMPLING - set(NEUTRAL_SAMPLING)
-    if unknown:
-        raise BadRequest(f"unknown sampling_params: {sorted(unknown)}")
-    for k, neutral in NEUTRAL_SAMPLING.items():
-        if k in d and d[k] not in (neutral, None):
-            raise BadRequest(f"sampling_params.{k}={d[k]!r} is not supported by the embedded engine")
-    n = d.get("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or not (1 <= n <= MAX_N):
-        raise BadRequest(f"sampling_params.n must be an integer in [1, {MAX_N}]")
-    kw = {}
-    types = {"max_new_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
-             "min_p": (int, float), "ignore_eos": bool, "no_stop_trim": bool, "seed": int, "sampling_seed": int}
-    for k, t in types.items():
-        if k in d and d[k] is not None:
-            v = d[k]
-            if isinstance(v, bool) and t is not bool:
-                raise BadRequest(f"sampling_params.{k} must be a number")
-            if not isinstance(v, t):
-                raise BadRequest(f"sampling_params.{k} has the wrong type: {type(v).__name__}")
-            kw["seed" if k == "sampling_seed" else k] = float(v) if t == (int, float) else v
-    if "stop" in d and d["stop"] is not None:
-        kw["stop"] = [d["stop"]] if isinstance(d["stop"], str) else d["stop"]
-        if not isinstance(kw["stop"], list):
-            raise BadRequest("sampling_params.stop must be a string or a list of strings")
-    if "stop_token_ids" in d and d["stop_token_ids"] is not None:
-        if not isinstance(d["stop_token_ids"], list):
-            raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
-        kw["stop_token_ids"] = d["stop_token_ids"]
-    sp = SamplingParams(**kw)
+def _bind(fn, i):
+    return lambda r: fn(i, r)
+
+
+def _call_in_loop(loop, fn, *args) -> None:
     try:
-        sp.validate()
-    except RequestError as e:
-        raise BadRequest(str(e)) from e
-    return sp, n
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed (server shutting down)
+        pass
 
 
-def _listify(value, n: int, name: str) -> list:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise BadRequest(f"{name} has {len(value)} entries for {n} prompts")
-        return value
-    return [value] * n
+def _snapshot(r: Request) -> Request:
+    """An immutable copy of a request's visible state, taken by the engine thread (under its
+    lock) so that an event never mixes two steps, and ``finished`` is exact for that event."""
+    s = copy.copy(r)
+    s.output_ids = list(r.output_ids)
+    s.output_logprobs = list(r.output_logprobs)
+    s.finish_reason = dict(r.finish_reason) if r.finish_reason is not None else None
+    s.accepted_per_depth = list(r.accepted_per_depth)
+    s.spec_records = list(r.spec_records)
+    return s
+
+
+# --------------------------------------------------------------------------- server
 
 
 class BebopServer:
     def __init__(self, engine: Engine, model_path: str = "", api_key: Optional[str] = None,
-                 served_model_name: str = "bebop"):
+                 served_model_name: str = "bebop", max_body: int = MAX_BODY_BYTES,
+                 max_weight_body: int = MAX_WEIGHT_BODY_BYTES):
         self.engine = engine
         self.worker = EngineWorker(engine)
         self.model_path = model_path
         self.api_key = api_key
         self.served_model_name = served_model_name
+        self.max_body = max_body
+        self.max_weight_body = max_weight_body
+        self.limits = Limits(vocab_size=engine.model.config.vocab_size, context_length=engine.max_len)
         self._staged: dict = {}
         self._staged_version: Optional[str] = None
+        self._weights_lock: Optional[asyncio.Lock] = None
+        self.started = time.time()
+        self.spec_algorithm_name = "NEXTN"  # SGLang's name for MTP-head drafts (build_server sets the flag given)
+        self.model_type, self.architectures = _hf_identity(model_path)
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ helpers
@@ -183,6 +289,8 @@ class BebopServer:
         tok = self.engine.tokenizer
         if tok is None:
             raise BadRequest("this server has no tokenizer: send input_ids")
+        if len(text) > 16 * self.engine.max_len + 1024:
+            raise BadRequest(f"text of {len(text)} characters is far beyond the context length")
         try:
             return list(tok.encode(text))
         except Exception as e:
@@ -191,6 +299,21 @@ class BebopServer:
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer
         return tok.decode(ids) if tok is not None else ""
+
+    def _text(self, r: Request) -> str:
+        """Output text; with ``no_stop_trim`` false (SGLang's default) the matched stop string or
+        stop token is cut from the text (output_ids keep it)."""
+        ids = r.output_ids
+        fr = r.finish_reason or {}
+        if fr.get("type") == "stop" and not r.params.no_stop_trim:
+            matched = fr.get("matched")
+            if isinstance(matched, int) and ids and ids[-1] == matched:
+                return self._decode(ids[:-1])
+            text = self._decode(ids)
+            if isinstance(matched, str) and matched in text:
+                return text[: text.index(matched)]
+            return text
+        return self._decode(ids)
 
     def _meta(self, r: Request) -> dict:
         completion = len(r.output_ids)
@@ -204,7 +327,11 @@ class BebopServer:
             "e2e_latency": time.time() - r.created,
         }
         if r.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            if getattr(r, "return_text_in_logprobs", False):
+                meta["output_token_logprobs"] = [[lp, t, self._decode([t])]
+                                                 for lp, t in zip(r.output_logprobs, r.output_ids)]
+            else:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
         if self.engine.gamma:
             meta.update(spec_metrics(r.verify_ct, completion, r.accepted, r.proposed, r.accepted_per_depth))
             if r.spec_record_topk:
@@ -212,72 +339,236 @@ class BebopServer:
         return meta
 
     def _result(self, r: Request) -> dict:
-        return {"text": self._decode(r.output_ids), "output_ids": list(r.output_ids), "meta_info": self._meta(r)}
+        return {"text": self._text(r), "output_ids": list(r.output_ids), "meta_info": self._meta(r)}
 
-    def _submit(self, prompts: list[list[int]], params: list[SamplingParams], logprobs: list[bool],
-                rids: list[Optional[str]], loop, on_event, spec_record_topk: int = 0) -> list[Request]:
-        reqs = []
+    def _validate(self, body: Any) -> GenerateInput:
+        return validate_generate(body, self.limits, self._tokenize)
+
+    async def _submit(self, gi: GenerateInput, on_update: Callable[[int, Request], None]) -> list[Request]:
+        """Hand a validated batch to the engine thread; never touches the engine lock."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def resolve(reqs, err):
+            if fut.done():  # the handler is gone (client disconnected): drop its requests
+                for r in reqs or []:
+                    r.aborted = True
+                return
+            fut.set_exception(err) if err is not None else fut.set_result(reqs)
+
+        sub = Submission(gi, on_update, loop, resolve)
+        self.worker.submit(sub)
         try:
-            for ids, sp, lp, rid in zip(prompts, params, logprobs, rids):
-                reqs.append(self.engine.add_request(
-                    ids, sp, rid=rid, return_logprob=bool(lp), spec_record_topk=spec_record_topk,
-                    on_update=lambda r: loop.call_soon_threadsafe(on_event, r)))
-        except RequestError as e:
-            for r in reqs:
-                self.engine.abort(r.rid)
+            return await fut
+        except asyncio.CancelledError:
+            sub.cancelled = True
+            for r in sub.reqs:
+                r.aborted = True
             self.worker.wake()
-            raise BadRequest(str(e)) from e
-        self.worker.wake()
-        return reqs
+            raise
 
-    def _expand(self, body: GenerateRequest):
-        if (body.text is None) == (body.input_ids is None):
-            raise BadRequest("give exactly one of text or input_ids")
-        if body.text is not None:
-            texts = [body.text] if isinstance(body.text, str) else body.text
-            if not texts:
-                raise BadRequest("text is an empty list")
-            prompts = [self._tokenize(t) for t in texts]
-            single = isinstance(body.text, str)
-        else:
-            ids = body.input_ids
-            single = len(ids) == 0 or not isinstance(ids[0], list)
-            prompts = [ids] if single else ids
-        if len(prompts) > MAX_BATCH:
-            raise BadRequest(f"at most {MAX_BATCH} prompts per request")
-        sps = _listify(body.sampling_params or {}, len(prompts), "sampling_params")
-        lps = _listify(body.return_logprob or False, len(prompts), "return_logprob")
-        rids = _listify(body.rid, len(prompts), "rid") if body.rid is not None else [None] * len(prompts)
-        flat_prompts, flat_sp, flat_lp, flat_rid = [], [], [], []
-        for i, (p, d, lp, rid) in enumerate(zip(prompts, sps, lps, rids)):
-            sp, n = _sampling_from_dict(d)
-            for j in range(n):
-                spj = SamplingParams(**vars(sp))
-                if spj.seed is not None and n > 1:
-                    spj.seed = spj.seed + j
-                flat_prompts.append(p)
-                flat_sp.append(spj)
-                flat_lp.append(lp)
-                flat_rid.append((rid if n == 1 else f"{rid}-{j}") if rid is not None else None)
-        if len(flat_prompts) > MAX_BATCH:
-            raise BadRequest(f"at most {MAX_BATCH} sequences (prompts x n) per request")
-        return flat_prompts, flat_sp, flat_lp, flat_rid, single and len(flat_prompts) == 1
+    def _abort_own(self, reqs: list[Request]) -> None:
+        hit = False
+        for r in reqs:
+            if not r.finished:
+                r.aborted = True
+                hit = True
+        if hit:
+            self.worker.wake()
+
+    async def _run_blocking(self, request: HTTPRequest, gi: GenerateInput) -> list[Request]:
+        """Submit and wait for all sequences; a client that disconnects has them aborted."""
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        reqs_box: list[Request] = []
+
+        def on_update(i, r):
+            if r.finished:
+                _call_in_loop(loop, _check_done)
+
+        def _check_done():
+            if reqs_box and all(r.finished for r in reqs_box):
+                done.set()
+
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            reqs = await self._submit(gi, on_update)
+            reqs_box.extend(reqs)
+            _check_done()
+            waiter = asyncio.ensure_future(done.wait())
+            await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not done.is_set():  # the client left
+                waiter.cancel()
+                self._abort_own(reqs)
+                log.info("client disconnected: aborted %d request(s)", sum(not r.finished for r in reqs))
+            return reqs
+        finally:
+            watcher.cancel()
+            self.worker.forget(reqs_box)
+
+    async def _stream(self, reqs: list[Request], queue: asyncio.Queue, fmt: Optional[Callable] = None):
+        """SSE: one event per change, from engine-thread snapshots; the finished snapshot of every
+        sequence is sent before ``[DONE]``. A client that disconnects has its requests aborted."""
+        pending = set(range(len(reqs)))
+        sent: dict[int, int] = {}
+        try:
+            while pending:
+                i, s = await queue.get()
+                if i not in pending:
+                    continue
+                every = getattr(s, "stream_interval", 1)  # SGLang's stream_interval: tokens per event
+                if s.finished or len(s.output_ids) >= sent.get(i, 0) + every:
+                    sent[i] = len(s.output_ids)
+                    payload = self._result(s) | {"index": i} if fmt is None else fmt(i, s)
+                    if payload is not None:
+                        yield f"data: {json.dumps(payload)}\n\n"
+                if s.finished:
+                    pending.discard(i)
+            yield "data: [DONE]\n\n"
+        finally:
+            self._release(reqs)
+
+    def _release(self, reqs: list[Request]) -> None:
+        self._abort_own(reqs)
+        self.worker.forget(reqs)
+
+    # ------------------------------------------------------------------ weights
+    def _prepare_tensors(self, tensors: dict) -> dict:
+        """Cast every tensor to the dtype of the parameter it will replace, then check that it
+        is finite *after* the cast (float64 1e300 becomes inf in float32); refuse dtypes that
+        are not weights (float8, integers). Unknown names are left to the model's validation."""
+        model = self.engine.model
+        by_hf = {v: k for k, v in model.hf_state_dict_names().items()}
+        params = dict(model.named_parameters())
+        out = {}
+        for n, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise BadRequest(f"tensor {n}: not a tensor")
+            if n not in by_hf:
+                out[n] = t
+                continue
+            if t.dtype not in WEIGHT_DTYPES:
+                raise BadRequest(f"weight update rejected, nothing changed: tensor {n} has dtype {t.dtype}; "
+                                 f"supported: float16, bfloat16, float32, float64")
+            p = params[by_hf[n]]
+            if tuple(t.shape) != tuple(p.shape):
+                raise BadRequest(f"weight update rejected, nothing changed: tensor {n}: shape {tuple(t.shape)} "
+                                 f"!= expected {tuple(p.shape)}")
+            c = t.to(dtype=p.dtype)
+            if not bool(torch.isfinite(c).all()):
+                raise BadRequest(f"weight update rejected, nothing changed: tensor {n} is not finite "
+                                 f"in the model's dtype {p.dtype}")
+            out[n] = c
+        return out
+
+    def _stage_weights(self, tensors: dict, version) -> dict:
+        """Hold a validated bucket until the sync's last (unstaged) call applies everything at
+        once: a sync interrupted midway leaves the served weights untouched. Buckets staged for
+        another version (an abandoned sync) are dropped."""
+        if not isinstance(version, str) or not version:
+            raise BadRequest("staged weight buckets need stage_version (the version the sync will commit)")
+        tensors = self._prepare_tensors(tensors)
+        try:
+            self.engine.model.validate_hf_tensors(tensors)
+        except ValueError as e:
+            raise BadRequest(f"weight bucket rejected: {e}") from e
+        if self._staged_version != version:
+            self._staged, self._staged_version = {}, version
+        self._staged.update(tensors)
+        return {"success": True, "message": f"staged {len(tensors)} tensors", "num_paused_requests": 0,
+                "staged": len(tensors), "staged_total": len(self._staged), "weight_version": version}
+
+    def _apply_weights(self, tensors: dict, version, flush: bool = True, abort_all: bool = False) -> dict:
+        """Swap weights between engine steps: trunk and MTP heads move together (one lock), so
+        no step ever runs on a mix; KV computed under the old weights is re-prefilled (or, with
+        ``abort_all``, the requests in flight are aborted first, as SGLang's
+        ``abort_all_requests``). Buckets staged for this version are applied in the same swap;
+        all tensors are cast and validated first. Runs in a worker thread."""
+        if version is not None and not isinstance(version, (str, int, float)):
+            raise BadRequest("weight_version must be a string")
+        if self._staged and self._staged_version == version:
+            tensors = {**self._staged, **tensors}
+        self._staged, self._staged_version = {}, None
+        tensors = self._prepare_tensors(tensors)
+        with self.engine.lock:
+            try:
+                self.engine.model.validate_hf_tensors(tensors)
+            except ValueError as e:
+                raise BadRequest(f"weight update rejected, nothing changed: {e}") from e
+            paused = 0
+            if abort_all:
+                paused = self.engine.abort(None)
+                self.engine.step()  # reaps the aborted requests (no compute)
+            try:
+                loaded = self.engine.update_weights(tensors, version)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise BadRequest(f"weight update rejected: {e}") from e
+            if flush:
+                paused += self.engine.retract_all()
+        self.worker.wake()
+        mtp = [n for n in loaded if n.startswith("mtp.") or _is_deepseek_mtp(n, self.engine.model)]
+        return {"success": True, "message": f"updated {len(loaded)} tensors ({len(mtp)} MTP)",
+                "num_paused_requests": paused, "num_tensors": len(loaded), "num_mtp_tensors": len(mtp),
+                "weight_version": self.engine.weight_version}
+
+    def _load_from_disk(self, path: str) -> dict:
+        """Read ``*.safetensors`` of a folder after checking every file: regular files only (a
+        FIFO, device, folder or dangling/looping symlink is refused before any read), non-empty,
+        opened non-blocking. Runs in a worker thread."""
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        try:
+            if not stat.S_ISDIR(os.stat(p).st_mode):
+                raise BadRequest(f"model_path {path!r} is not a folder")
+            names = sorted(e.name for e in os.scandir(p) if e.name.endswith(".safetensors"))
+        except OSError as e:
+            raise BadRequest(f"model_path {_short_path(path)}: {e.strerror or e}") from e
+        if not names:
+            raise BadRequest(f"{_short_path(path)}: no *.safetensors files")
+        files = []
+        for name in names:
+            f = p / name
+            try:
+                st = os.stat(f)  # follows symlinks: dangling or looping ones raise here
+            except OSError as e:
+                raise BadRequest(f"{name}: {e.strerror or e}") from e
+            if not stat.S_ISREG(st.st_mode):
+                raise BadRequest(f"{name}: not a regular file")
+            if st.st_size < 8:
+                raise BadRequest(f"{name}: empty or truncated safetensors file ({st.st_size} bytes)")
+            try:  # a file swapped for a FIFO after the check must not block: open non-blocking, re-check
+                fd = os.open(f, os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise BadRequest(f"{name}: not a regular file")
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise BadRequest(f"{name}: {e.strerror or e}") from e
+            files.append(f)
+        tensors: dict = {}
+        for f in files:
+            try:
+                tensors.update(load_file(str(f)))
+            except Exception as e:  # noqa: BLE001 - corrupt header, unsupported dtype...
+                raise BadRequest(f"cannot read {f.name} as safetensors: {type(e).__name__}: {e}") from e
+        return tensors
+
+    def _weights_guard(self) -> asyncio.Lock:
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        return self._weights_lock
 
     # ------------------------------------------------------------------ app
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="bebop serve (SGLang-compatible)")
         server = self
-
-        @app.middleware("http")
-        async def auth(request: HTTPRequest, call_next):
-            if server.api_key and request.url.path not in ("/health",):
-                if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                    return JSONResponse({"error": {"message": "invalid or missing API key"}}, status_code=401)
-            return await call_next(request)
+        app.add_middleware(_Guard, server=server)
 
         @app.exception_handler(BadRequest)
         async def bad_request(_, exc: BadRequest):
-            return JSONResponse({"error": {"message": str(exc)}}, status_code=exc.status)
+            return JSONResponse(_error_body(str(exc)), status_code=exc.status)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_, exc: RequestValidationError):
@@ -297,53 +588,97 @@ class BebopServer:
                 JSONResponse({"status": "engine down"}, status_code=503)
 
         @app.get("/health_generate")
-        async def health_generate():
+        async def health_generate(request: HTTPRequest):
             if server.worker.paused:
                 return JSONResponse({"status": "paused"}, status_code=503)
-            loop = asyncio.get_running_loop()
-            done = asyncio.Event()
-            server._submit([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [False], [None], loop,
-                           lambda r: done.set() if r.finished else None)
+            gi = GenerateInput([[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)], [False], [None], True)
             try:
-                await asyncio.wait_for(done.wait(), timeout=60)
+                await asyncio.wait_for(server._run_blocking(request, gi), timeout=60)
             except asyncio.TimeoutError:
                 return JSONResponse({"status": "timeout"}, status_code=503)
             return JSONResponse({"status": "ok"})
 
         @app.get("/get_model_info")
+        @app.get("/model_info")
         async def model_info():
             c = server.engine.model.config
             return {"model_path": server.model_path, "tokenizer_path": server.model_path, "is_generation": True,
-                    "weight_version": server.engine.weight_version, "vocab_size": c.vocab_size,
-                    "num_mtp_modules": len(server.engine.model.mtp), "served_model_name": server.served_model_name}
+                    "served_model_name": server.served_model_name, "preferred_sampling_params": None,
+                    "weight_version": server.engine.weight_version, "load_format": "safetensors",
+                    "model_type": server.model_type, "architectures": server.architectures,
+                    "has_image_understanding": False, "has_audio_understanding": False,
+                    "vocab_size": c.vocab_size, "num_mtp_modules": len(server.engine.model.mtp)}
 
         @app.get("/get_server_info")
+        @app.get("/server_info")
         async def server_info():
-            st = server.engine.stats()
+            e = server.engine
+            st = {**e.stats(), "weight_version": e.weight_version}
             return {"version": "bebop-0.1.0", "model_path": server.model_path,
-                    "speculative_algorithm": server.engine.spec.algorithm if server.engine.gamma else None,
-                    "speculative_num_steps": server.engine.gamma, "speculative_verify": server.engine.spec.verify,
-                    "max_running_requests": server.engine.max_running, "context_length": server.engine.max_len,
-                    "paused": server.worker.paused, "weight_version": server.engine.weight_version,
-                    "internal_states": [st]}
+                    "served_model_name": server.served_model_name,
+                    "speculative_algorithm": server.spec_algorithm_name if e.gamma else None,
+                    "speculative_num_steps": e.gamma, "speculative_eagle_topk": 1 if e.gamma else None,
+                    "speculative_num_draft_tokens": e.gamma + 1 if e.gamma else None,
+                    "speculative_verify": e.spec.verify, "max_running_requests": e.max_running,
+                    "max_total_num_tokens": e.max_running * e.max_len, "context_length": e.max_len,
+                    "tp_size": 1, "dp_size": 1, "pp_size": 1, "paused": server.worker.paused,
+                    "weight_version": e.weight_version, "internal_states": [st]}
 
-        @app.post("/flush_cache")
+        @app.get("/v1/models")
+        async def models():
+            name = server.served_model_name
+            return {"object": "list", "data": [{"id": name, "object": "model", "created": int(server.started),
+                                                "owned_by": "bebop", "root": name, "parent": None,
+                                                "max_model_len": server.engine.max_len}]}
+
+        @app.get("/v1/loads")
+        async def loads():
+            e = server.engine
+            st = e.stats()
+            return {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "version": "bebop-0.1.0",
+                    "accelerator": None, "num_accelerators": 0,
+                    "loads": [{"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": st["num_running_reqs"],
+                               "num_waiting_reqs": st["num_waiting_reqs"] + len(server.worker.inbox),
+                               "max_running_requests": e.max_running,
+                               "max_total_num_tokens": e.max_running * e.max_len}]}
+
+        @app.get("/get_weight_version")
+        async def get_weight_version():
+            return {"weight_version": server.engine.weight_version}
+
+        @app.post("/update_weight_version")
+        async def update_weight_version(request: HTTPRequest):
+            body = await _json_object(request)
+            new = body.get("new_version")
+            if isinstance(new, (int, float)) and not isinstance(new, bool):
+                new = str(new)
+            new = as_str(new, "new_version", 256, allow_empty=False)
+            abort = True if body.get("abort_all_requests") is None else \
+                as_bool(body.get("abort_all_requests"), "abort_all_requests")
+            if abort:
+                server.worker.abort(None)
+            server.engine.weight_version = new
+            return {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
+
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache():
-            if server.engine.has_work():
+            if server.engine.has_work() or server.worker.inbox:
                 return JSONResponse({"success": False, "message": "cannot flush while requests are pending"},
                                     status_code=400)
             return {"success": True, "message": "cache flushed"}
 
         @app.post("/abort_request")
         async def abort_request(request: HTTPRequest):
-            body = await _json_object(request)
-            if body.get("abort_all"):
-                n = server.engine.abort(None)
-            elif isinstance(body.get("rid"), str):
-                n = server.engine.abort(body["rid"])
+            body = await _json_object(request, allow_empty=True)
+            abort_all = body.get("abort_all")
+            abort_all = False if abort_all is None else as_bool(abort_all, "abort_all")
+            rid = body.get("rid")
+            if abort_all:
+                n = server.worker.abort(None)
+            elif rid is None or rid == "":
+                n = 0  # SGLang: nothing to abort is not an error
             else:
-                raise BadRequest("give rid (string) or abort_all: true")
-            server.worker.wake()
+                n = server.worker.abort(as_str(rid, "rid", 256))
             return {"success": True, "aborted": n}
 
         @app.post("/pause_generation")
@@ -356,7 +691,7 @@ class BebopServer:
                 server.worker.paused = True
 
             def apply() -> int:
-                with server.engine.lock:  # waits for the step in flight
+                with server.engine.lock:  # waits for the step in flight (in a worker thread)
                     if mode == "abort":
                         n = server.engine.abort(None)
                         server.engine.step()  # reaps the aborted requests (no compute)
@@ -379,22 +714,24 @@ class BebopServer:
         async def update_from_disk(request: HTTPRequest):
             body = await _json_object(request)
             path = body.get("model_path")
-            if not isinstance(path, str) or not Path(path).is_dir():
-                raise BadRequest("model_path must be an existing folder of *.safetensors")
-            from safetensors.torch import load_file
-
-            files = sorted(Path(path).glob("*.safetensors"))
-            if not files:
-                raise BadRequest(f"{path}: no *.safetensors files")
-            tensors = {}
-            for f in files:
-                tensors.update(load_file(str(f)))
-            return await asyncio.to_thread(server._apply_weights, tensors, body.get("weight_version"),
-                                           body.get("flush_cache", True))
+            if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS or "\x00" in path:
+                raise BadRequest(f"model_path must be a folder path of at most {MAX_PATH_CHARS} characters")
+            fmt = body.get("load_format")
+            if fmt not in (None, "auto", "safetensors"):
+                raise BadRequest(f"load_format {_short_path(str(fmt))} is not supported (safetensors only)")
+            flush = True if body.get("flush_cache") is None else as_bool(body.get("flush_cache"), "flush_cache")
+            abort_all = False if body.get("abort_all_requests") is None else \
+                as_bool(body.get("abort_all_requests"), "abort_all_requests")
+            async with server._weights_guard():
+                tensors = await asyncio.to_thread(server._load_from_disk, path)
+                res = await asyncio.to_thread(server._apply_weights, tensors, body.get("weight_version"), flush,
+                                              abort_all)
+            server.model_path = path
+            return res
 
         @app.post("/update_weights_from_tensor")
         async def update_from_tensor(request: HTTPRequest):
-            body = await _json_object(request)
+            body = await _json_object(request, offload=True)
             fmt = body.get("load_format") or "safetensors"
             if fmt != "safetensors":
                 raise BadRequest("only load_format=safetensors is accepted (pickled tensors are refused)")
@@ -403,135 +740,152 @@ class BebopServer:
                 payloads = [payloads]
             if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
                 raise BadRequest("serialized_named_tensors must be a base64 safetensors string or a list of them")
-            from safetensors.torch import load as st_load
+            flush = True if body.get("flush_cache") is None else as_bool(body.get("flush_cache"), "flush_cache")
 
-            tensors = {}
-            try:
-                for p in payloads:
-                    tensors.update(st_load(base64.b64decode(p, validate=True)))
-            except Exception as e:
-                raise BadRequest(f"cannot decode safetensors payload: {type(e).__name__}: {e}") from e
-            if body.get("stage"):
-                return server._stage_weights(tensors, body.get("stage_version"))
-            return await asyncio.to_thread(server._apply_weights, tensors, body.get("weight_version"),
-                                           body.get("flush_cache", True))
+            def decode() -> dict:
+                from safetensors.torch import load as st_load
+
+                tensors = {}
+                try:
+                    for p in payloads:
+                        tensors.update(st_load(base64.b64decode(p, validate=True)))
+                except Exception as e:  # noqa: BLE001
+                    raise BadRequest(f"cannot decode safetensors payload: {type(e).__name__}: {e}") from e
+                return tensors
+
+            async with server._weights_guard():
+                tensors = await asyncio.to_thread(decode)
+                if body.get("stage"):
+                    return await asyncio.to_thread(server._stage_weights, tensors, body.get("stage_version"))
+                return await asyncio.to_thread(server._apply_weights, tensors, body.get("weight_version"), flush)
 
         @app.post("/generate")
-        async def generate(body: GenerateRequest):
-            prompts, sps, lps, rids, single = server._expand(body)
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            reqs = server._submit(prompts, sps, lps, rids, loop, queue.put_nowait,
-                                  spec_record_topk=body.return_spec_records)
-            if body.stream:
-                return StreamingResponse(server._stream(reqs, queue), media_type="text/event-stream")
-            await _wait_all(reqs, queue)
+        async def generate(request: HTTPRequest):
+            gi = server._validate(await _json_object(request))
+            if gi.stream:
+                loop = asyncio.get_running_loop()
+                queue: asyncio.Queue = asyncio.Queue()
+                # runs in the engine thread: snapshot there, hand over in order
+                on_update = lambda i, r: loop.call_soon_threadsafe(queue.put_nowait, (i, _snapshot(r)))  # noqa: E731
+                reqs = await server._submit(gi, on_update)
+                # the background task also runs when the client left before the stream started
+                return StreamingResponse(server._stream(reqs, queue), media_type="text/event-stream",
+                                         background=BackgroundTask(server._release, reqs))
+            reqs = await server._run_blocking(request, gi)
             results = [server._result(r) for r in reqs]
-            return results[0] if single else results
+            return results[0] if gi.single else results
 
         @app.post("/v1/completions")
-        async def completions(body: CompletionRequest):
-            p = body.prompt
-            if isinstance(p, str):
-                prompts = [server._tokenize(p)]
-            elif isinstance(p, list) and p and isinstance(p[0], str):
-                prompts = [server._tokenize(x) for x in p]
-            elif isinstance(p, list) and p and isinstance(p[0], list):
-                prompts = p
-            else:
-                prompts = [p]
-            if body.stream:
-                raise BadRequest("stream is not supported on /v1/completions; use /generate with stream")
-            d = {"max_new_tokens": body.max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                 "top_k": body.top_k, "n": body.n, "stop": body.stop, "seed": body.seed}
-            gen = GenerateRequest(input_ids=prompts, sampling_params=[d] * len(prompts),
-                                  return_logprob=body.logprobs is not None)
-            flat, sps, lps, rids, _ = server._expand(gen)
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            reqs = server._submit(flat, sps, lps, rids, loop, queue.put_nowait)
-            await _wait_all(reqs, queue)
+        async def completions(request: HTTPRequest):
+            body = await _json_object(request)
+            gi = server._completion_input(body)
+            if gi.stream:
+                return await server._stream_completions(body, gi)
+            reqs = await server._run_blocking(request, gi)
             choices = []
             for i, r in enumerate(reqs):
                 fr = (r.finish_reason or {}).get("type")
-                choice = {"index": i, "text": server._decode(r.output_ids),
+                choice = {"index": i, "text": server._text(r),
                           "finish_reason": {"stop": "stop", "length": "length"}.get(fr, fr)}
                 if r.return_logprob:
                     choice["logprobs"] = {"tokens": [server._decode([t]) for t in r.output_ids],
                                           "token_logprobs": list(r.output_logprobs)}
                 choices.append(choice)
-            ptoks = sum(len(r.input_ids) for r in reqs)
+            ptoks = sum(len(p) for p in {id(p): p for p in gi.prompts}.values())  # each prompt once (n > 1)
             ctoks = sum(len(r.output_ids) for r in reqs)
+            model = body.get("model")
             return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": body.model or server.served_model_name, "choices": choices,
+                    "model": model if isinstance(model, str) else server.served_model_name, "choices": choices,
                     "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
 
+        # SGLang's distributed weight update: /init_weights_update_group,
+        # /update_weights_from_distributed, /destroy_weights_update_group
+        from bebop_megatron.rollout.weight_update_group import register_routes
+
+        register_routes(app, server)
         return app
 
-    def _stage_weights(self, tensors: dict, version) -> dict:
-        """Hold a validated bucket until the sync's last (unstaged) call applies everything at
-        once: a sync interrupted midway leaves the served weights untouched. Buckets staged for
-        another version (an abandoned sync) are dropped."""
-        if not isinstance(version, str) or not version:
-            raise BadRequest("staged weight buckets need stage_version (the version the sync will commit)")
-        try:
-            self.engine.model.validate_hf_tensors(tensors)
-        except ValueError as e:
-            raise BadRequest(f"weight bucket rejected: {e}") from e
-        if self._staged_version != version:
-            self._staged, self._staged_version = {}, version
-        self._staged.update(tensors)
-        return {"success": True, "staged": len(tensors), "staged_total": len(self._staged), "weight_version": version}
+    def _completion_input(self, body: dict) -> GenerateInput:
+        """OpenAI ``/v1/completions`` -> the same validated input as ``/generate``."""
+        p = body.get("prompt")
+        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
+            key = "text"
+        elif isinstance(p, list):
+            key = "input_ids"
+        else:
+            raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+        d: dict = {}
+        for src, dst in (("max_tokens", "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                         ("top_k", "top_k"), ("n", "n"), ("stop", "stop"), ("seed", "sampling_seed"),
+                         ("min_p", "min_p"), ("stop_token_ids", "stop_token_ids"), ("ignore_eos", "ignore_eos"),
+                         ("no_stop_trim", "no_stop_trim")):
+            if body.get(src) is not None:
+                d[dst] = body[src]
+        d.setdefault("max_new_tokens", 16)
+        if d["max_new_tokens"] == 0:
+            raise BadRequest("max_tokens must be at least 1")
+        lp = body.get("logprobs")
+        if lp is not None and lp is not False:
+            as_int(lp, "logprobs", 0, 20)
+        stream = False if body.get("stream") is None else as_bool(body.get("stream"), "stream")
+        return self._validate({key: p, "sampling_params": d, "return_logprob": lp is not None and lp is not False,
+                               "stream": stream})
 
-    def _apply_weights(self, tensors: dict, version, flush: bool) -> dict:
-        """Swap weights between engine steps: trunk and MTP heads move together (one lock), so
-        no step ever runs on a mix; KV computed under the old weights is re-prefilled. Buckets
-        staged for this version are applied in the same swap; all tensors are validated first."""
-        if self._staged and self._staged_version == version:
-            tensors = {**self._staged, **tensors}
-        self._staged, self._staged_version = {}, None
-        with self.engine.lock:
-            try:
-                loaded = self.engine.update_weights(tensors, version)
-            except ValueError as e:
-                raise BadRequest(f"weight update rejected, nothing changed: {e}") from e
-            if flush:
-                self.engine.retract_all()
-        self.worker.wake()
-        mtp = [n for n in loaded if n.startswith("mtp.") or _is_deepseek_mtp(n, self.engine.model)]
-        return {"success": True, "message": f"updated {len(loaded)} tensors ({len(mtp)} MTP)",
-                "num_tensors": len(loaded), "num_mtp_tensors": len(mtp),
-                "weight_version": self.engine.weight_version}
+    async def _stream_completions(self, body: dict, gi: GenerateInput) -> StreamingResponse:
+        """OpenAI streaming completions: text deltas per choice, finish_reason on the last chunk
+        of each choice, optional usage chunk (``stream_options.include_usage``), then [DONE]."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        reqs = await self._submit(gi, lambda i, r: loop.call_soon_threadsafe(queue.put_nowait, (i, _snapshot(r))))
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        model = body.get("model") if isinstance(body.get("model"), str) else self.served_model_name
+        opts = body.get("stream_options")
+        usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        sent_text: dict[int, str] = {}
 
-    async def _stream(self, reqs: list[Request], queue: asyncio.Queue):
-        sent = {r.rid: -1 for r in reqs}
-        pending = {r.rid for r in reqs if not r.finished}
-        for r in reqs:
-            if r.finished:
-                yield f"data: {json.dumps(self._result(r) | {'index': reqs.index(r)})}\n\n"
-        while pending:
-            r = await queue.get()
-            if r.rid not in pending and not r.finished:
-                continue
-            if len(r.output_ids) != sent[r.rid] or r.finished:
-                sent[r.rid] = len(r.output_ids)
-                yield f"data: {json.dumps(self._result(r) | {'index': reqs.index(r)})}\n\n"
-            if r.finished:
-                pending.discard(r.rid)
-        yield "data: [DONE]\n\n"
+        def chunk(i, s):
+            text = self._text(s) if s.finished else self._decode(s.output_ids)
+            prev = sent_text.get(i, "")
+            delta = text[len(prev):] if text.startswith(prev) else ""
+            sent_text[i] = text if text.startswith(prev) else prev
+            fr = (s.finish_reason or {}).get("type")
+            if not delta and not s.finished:
+                return None
+            return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": i, "text": delta, "logprobs": None,
+                                 "finish_reason": {"stop": "stop", "length": "length"}.get(fr, fr)}]}
+
+        async def events():
+            async for ev in self._stream(reqs, queue, chunk):
+                if ev == "data: [DONE]\n\n" and usage:
+                    ptoks = sum(len(p) for p in {id(p): p for p in gi.prompts}.values())
+                    ctoks = sum(len(r.output_ids) for r in reqs)
+                    yield "data: " + json.dumps({"id": cid, "object": "text_completion", "created": created,
+                                                 "model": model, "choices": [],
+                                                 "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks,
+                                                           "total_tokens": ptoks + ctoks}}) + "\n\n"
+                yield ev
+
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(self._release, reqs))
+
+
+def _hf_identity(model_path: str) -> tuple[Optional[str], Optional[list]]:
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        return cfg.get("model_type"), cfg.get("architectures")
+    except (OSError, ValueError, TypeError):
+        return None, None
+
+
+def _short_path(p: str) -> str:
+    return repr(p) if len(p) <= 80 else repr(p[:60]) + f"...({len(p)} chars)"
 
 
 def spec_metrics(verify_ct: int, completion: int, accepted: int, proposed: int, per_depth: list[int]) -> dict:
-    """meta_info speculative counters under every SGLang spelling."""
-    return {
-        "spec_verify_ct": verify_ct,
-        "spec_accept_length": completion / verify_ct if verify_ct else 0.0,
-        "spec_accept_rate": accepted / proposed if proposed else 0.0,
-        "spec_num_correct_drafts": accepted, "spec_num_proposed_drafts": proposed,  # >= 0.5.12
-        "spec_accepted_drafts": accepted, "spec_proposed_drafts": proposed,  # 0.5.11
-        "spec_accept_token_num": accepted, "spec_draft_token_num": proposed,  # <= 0.5.10
-        "spec_accepted_per_depth": list(per_depth),
-    }
+    """meta_info speculative counters under every SGLang spelling (key names: rollout/protocol.py)."""
+    from bebop_megatron.rollout.protocol import spec_meta_info
+
+    return spec_meta_info(verify_ct, completion, accepted, proposed, per_depth)
 
 
 def _is_deepseek_mtp(name: str, model: CausalLMWithMTP) -> bool:
@@ -540,24 +894,21 @@ def _is_deepseek_mtp(name: str, model: CausalLMWithMTP) -> bool:
     return int(name.split(".")[2]) >= model.config.num_hidden_layers
 
 
-async def _json_object(request: HTTPRequest, allow_empty: bool = False) -> dict:
+async def _json_object(request: HTTPRequest, allow_empty: bool = False, offload: bool = False) -> dict:
+    """The body as a JSON object: size-limited (by the guard), bounded depth and numbers, 4xx on
+    anything else. ``offload`` parses in a worker thread (large weight payloads)."""
     raw = await request.body()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise BadRequest("empty body: a JSON object is required")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"invalid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
+    if offload and len(raw) > (1 << 20):
+        return await asyncio.to_thread(parse_json_object, raw, allow_empty)
+    return parse_json_object(raw, allow_empty)
 
 
-async def _wait_all(reqs: list[Request], queue: asyncio.Queue) -> None:
-    while not all(r.finished for r in reqs):
-        await queue.get()
+async def _wait_disconnect(request: HTTPRequest) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg.get("type") == "http.disconnect":
+            return
 
 
 # --------------------------------------------------------------------------- CLI
@@ -580,7 +931,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="'char' or a local tokenizer folder (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None,
+                   help="visible in /proc/PID/cmdline: prefer --api-key-file or the BEBOP_API_KEY variable")
+    p.add_argument("--api-key-file", default=None, help="file holding the API key (first line)")
+    p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                   help="request body limit (413 beyond), all routes but /update_weights_from_tensor")
+    p.add_argument("--max-weight-body-mb", type=float, default=MAX_WEIGHT_BODY_BYTES / 2**20,
+                   help="request body limit of /update_weights_from_tensor")
     p.add_argument("--speculative-algorithm", default=None, help="NEXTN | EAGLE | MTP (MTP heads) or none")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="γ drafts per verify step")
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
@@ -591,6 +948,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--device", default="cpu", help="where the model and the engine run: cpu, cuda, cuda:1, ...")
 
 
 def build_server(args) -> BebopServer:
@@ -599,22 +957,47 @@ def build_server(args) -> BebopServer:
         raise SystemExit("bebop serve: only --speculative-eagle-topk 1 (chain drafts) is supported")
     if args.speculative_num_draft_tokens is not None and args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
         raise SystemExit("bebop serve: --speculative-num-draft-tokens must be --speculative-num-steps + 1")
-    model = CausalLMWithMTP.from_pretrained(args.model_path, dtype=getattr(torch, args.dtype))
+    model = CausalLMWithMTP.from_pretrained(args.model_path, dtype=getattr(torch, args.dtype),
+                                            device=getattr(args, "device", "cpu"))
     spec = SpecConfig("mtp" if algo in ("nextn", "eagle", "mtp") else "none", args.speculative_num_steps,
                       args.speculative_verify)
     engine = Engine(model, load_tokenizer_for(args.model_path, args.tokenizer), spec,
                     max_running=args.max_running_requests, max_len=args.context_length,
                     weight_version=args.weight_version)
-    return BebopServer(engine, args.model_path, api_key=args.api_key)
+    server = BebopServer(engine, args.model_path, api_key=resolve_api_key(args),
+                          max_body=int(getattr(args, "max_body_mb", MAX_BODY_BYTES / 2**20) * 2**20),
+                          max_weight_body=int(getattr(args, "max_weight_body_mb", MAX_WEIGHT_BODY_BYTES / 2**20) * 2**20))
+    if algo in ("nextn", "eagle", "mtp"):
+        server.spec_algorithm_name = "NEXTN" if algo == "mtp" else algo.upper()
+    return server
+
+
+def resolve_api_key(args) -> Optional[str]:
+    """``--api-key``, else ``--api-key-file`` (first line), else ``$BEBOP_API_KEY``; None: no key."""
+    if getattr(args, "api_key", None):
+        return args.api_key
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            key = Path(path).read_text().splitlines()[0].strip() if Path(path).stat().st_size else ""
+        except (OSError, IndexError) as e:
+            raise SystemExit(f"bebop serve: cannot read --api-key-file {path}: {e}") from e
+        if not key:
+            raise SystemExit(f"bebop serve: --api-key-file {path} is empty")
+        return key
+    return os.environ.get("BEBOP_API_KEY") or None
 
 
 def serve(args) -> None:
     import uvicorn
 
     server = build_server(args)
+    # the engine thread runs Python between torch ops: hand the GIL to the event loop more often
+    # (default 5 ms per hand-off), so that /health and aborts answer in milliseconds under load
+    sys.setswitchinterval(0.001)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable beyond this machine%s", args.host,
-                    "" if args.api_key else " and has no --api-key")
+                    "" if server.api_key else " and has no API key")
     log.info("bebop serve on http://%s:%d (speculative: %s, γ=%d)", args.host, args.port,
              server.engine.spec.algorithm, server.engine.gamma)
     try:
