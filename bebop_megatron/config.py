@@ -197,7 +197,9 @@ class RLConfig:
     api_key: Optional[str] = None
     speculative: bool = True  # MTP speculative decoding in the rollout servers (γ = model.mtp_num_layers)
     verify: str = "rejection"  # rejection | target_only
-    weight_sync: str = "tensor"  # tensor (update_weights_from_tensor) | disk (shared file system)
+    # tensor (update_weights_from_tensor) | disk (shared file system) | distributed
+    # (init_weights_update_group + update_weights_from_distributed: NCCL on GPUs, gloo on CPUs)
+    weight_sync: str = "tensor"
     sync_bucket_mb: int = 256
     # ---- GRPO
     clip_low: float = 0.2
@@ -426,8 +428,8 @@ class Config:
             errors.append(f"rl.mode must be async or sync, got {r.mode!r}")
         if r.entropy_control not in ("none", "entrocraft"):
             errors.append(f"rl.entropy_control must be none or entrocraft, got {r.entropy_control!r}")
-        if r.weight_sync not in ("tensor", "disk"):
-            errors.append(f"rl.weight_sync must be tensor or disk, got {r.weight_sync!r}")
+        if r.weight_sync not in ("tensor", "disk", "distributed"):
+            errors.append(f"rl.weight_sync must be tensor, disk or distributed, got {r.weight_sync!r}")
         if r.verify not in ("rejection", "target_only"):
             errors.append(f"rl.verify must be rejection or target_only, got {r.verify!r}")
         for name in ("steps", "max_staleness", "eval_prompts", "save_interval", "exit_interval"):

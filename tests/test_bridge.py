@@ -130,11 +130,12 @@ def test_bench_rollout_smoke(tmp_path):
     """The benchmark script runs and reports every row (numbers are not asserted: not a timed test)."""
     make_hf_checkpoint(tmp_path / "hf", "qwen3", "deepseek", num_mtp=2)
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--model-path", str(tmp_path / "hf"),
-                          "--num-prompts", "2", "--max-new-tokens", "6", "--batch", "1", "--json", str(tmp_path / "r.json")],
+                          "--max-new-tokens", "6", "--batch", "1", "2", "--reps", "1",
+                          "--variants", "plain", "mtp_rejection", "adaptive", "hf_generate", "--json", str(tmp_path / "r.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "r.json").read_text())
-    names = [r["name"] for r in rows]
-    assert "engine, MTP + rejection sampling" in names and "HF generate" in names
-    spec = next(r for r in rows if r["name"] == "engine, MTP + rejection sampling")
-    assert 1.0 <= spec["tokens_per_verify"] <= 3.0 and 0.0 <= spec["alpha"] <= 1.0
+    variants = {r["variant"] for r in rows}
+    assert {"plain", "mtp_rejection", "hf_generate"} <= variants, variants
+    spec = next(r for r in rows if r["variant"] == "mtp_rejection")
+    assert 1.0 <= spec["tokens_per_verify"] <= 3.0 and 0.0 <= spec["accept_rate"] <= 1.0

@@ -60,7 +60,10 @@ def test_generate_matches_engine_and_reports_spec_metrics(server, ckpts):
         # proposed: drafts that could still be emitted (the engine's acceptance metric), at most γ per verify
         assert m[a] == m["spec_num_correct_drafts"] and m[b] == m["spec_num_proposed_drafts"]
     assert m["spec_num_correct_drafts"] <= m["spec_num_proposed_drafts"] <= 3 * m["spec_verify_ct"]
-    assert sum(m["spec_accepted_per_depth"][:1]) == m["spec_accepted_per_depth"][0]
+    acc, reach = m["spec_accepted_per_depth"], m["spec_reached_per_depth"]
+    assert len(acc) == len(reach) == 3 and sum(acc) == m["spec_num_correct_drafts"]
+    assert all(a <= r for a, r in zip(acc, reach)) and reach[0] <= m["spec_verify_ct"]
+    assert sum(reach) <= m["spec_num_proposed_drafts"] and list(reach) == sorted(reach, reverse=True)
 
 
 def test_batches_n_rid_and_stream(server):

@@ -175,7 +175,7 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
         params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                  stop_token_ids=stop_ids, seed=i) for i in range(len(ids))]
         eng.generate(ids[:2], params[:2])  # warm-up
-        eng.total_verify_ct = eng.total_generated = eng.total_accepted_drafts = eng.total_proposed_drafts = 0
+        eng.reset_stats()
         t0 = time.perf_counter()
         toks = 0
         for _ in range(repeats):

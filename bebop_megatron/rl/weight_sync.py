@@ -21,11 +21,15 @@ def rollout_model_for(cfg: Config, dtype=None) -> CausalLMWithMTP:
     import torch
 
     m = cfg.model
+    if m.hybrid:
+        raise NotImplementedError(
+            f"the embedded rollout engine has no Gated DeltaNet layers yet (model.arch={m.arch!r}); "
+            "serve this model with SGLang (launch.rollout_engine: sglang) instead")
     lm = LMConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
                   num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                   num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, rms_norm_eps=m.norm_epsilon,
                   rope_theta=m.rotary_base, qk_norm=bool(m.qk_layernorm), qkv_bias=bool(m.add_qkv_bias),
-                  tie_word_embeddings=m.tie_word_embeddings, num_mtp_modules=m.mtp_num_layers,
+                  tie_word_embeddings=m.tie_word_embeddings, num_mtp_modules=1 if m.mtp_recurrent else m.mtp_num_layers,
                   mtp_layout="deepseek", mtp_hidden="normed")
     return CausalLMWithMTP(lm).to(dtype or torch.float32).eval()
 

@@ -185,15 +185,7 @@ class Engine:
         if self.eos_id is None and tokenizer is not None:
             self.eos_id = getattr(tokenizer, "eos_token_id", None) or getattr(tokenizer, "eos_id", None)
         # cumulative stats (SGLang's /get_server_info internal_states)
-        self.total_verify_ct = 0
-        self.total_generated = 0
-        self.total_accepted_drafts = 0
-        self.total_proposed_drafts = 0
-        self.total_verify_tokens = 0
-        self.total_plain_steps = 0
-        self.total_accepted_per_depth = [0] * g
-        self.total_reached_per_depth = [0] * g
-        self.gamma_hist = [0] * (g + 1)  # rounds run at each γ
+        self.reset_stats()
         # adaptive γ: EMA of round seconds per (batch bucket, γ), running per-depth acceptance
         self._cost_samples: dict[tuple[int, int], deque] = {}
         self._cost_n: dict[tuple[int, int], int] = {}
@@ -627,26 +619,14 @@ class Engine:
             "total_generated_tokens": self.total_generated,
         }
 
-    @property
-    def total_verify_ct(self) -> int:
-        return self._total_verify_ct
-
-    @total_verify_ct.setter
-    def total_verify_ct(self, v: int) -> None:
-        """Code that resets the counters by hand (``eng.total_verify_ct = 0``) resets them all."""
-        self._total_verify_ct = v
-        if v == 0:
-            self.total_verify_tokens = self.total_plain_steps = 0
-            self.total_accepted_per_depth = [0] * self.gamma
-            self.total_reached_per_depth = [0] * self.gamma
-            self.gamma_hist = [0] * (self.gamma + 1)
-
     def reset_stats(self) -> None:
+        """Zero the cumulative counters (a benchmark's warm-up must not count); the adaptive-γ
+        cost and acceptance estimates are kept, as a server keeps what it measured."""
         self.total_verify_ct = self.total_generated = self.total_accepted_drafts = self.total_proposed_drafts = 0
         self.total_verify_tokens = self.total_plain_steps = 0
         self.total_accepted_per_depth = [0] * self.gamma
         self.total_reached_per_depth = [0] * self.gamma
-        self.gamma_hist = [0] * (self.gamma + 1)
+        self.gamma_hist = [0] * (self.gamma + 1)  # rounds run at each γ
 
 
 def step_counts(gamma: int, num_accepted: int, emitted: int, tokens_left: int,

@@ -45,6 +45,7 @@ SPEC_KEY_PAIRS = (
     ("spec_accept_token_num", "spec_draft_token_num"),
 )
 SPEC_ACCEPTED_PER_DEPTH = "spec_accepted_per_depth"  # bebop: accepted drafts at depth 1..γ
+SPEC_REACHED_PER_DEPTH = "spec_reached_per_depth"  # bebop: verify steps where draft k could be emitted
 SPEC_VERIFY_RECORDS = "spec_verify_records"  # bebop: GrowMTP records (return_spec_records > 0)
 
 # fields our client may send that SGLang does not read (it ignores unknown top-level keys of
@@ -96,8 +97,12 @@ def parse_spec_metrics(meta: Mapping) -> SpecStats:
 
 
 def spec_meta_info(verify_ct: int, completion: int, accepted: int, proposed: int,
-                   per_depth: Sequence[int]) -> dict:
-    """``meta_info`` speculative counters under every SGLang spelling (the server's writer)."""
+                   per_depth: Sequence[int], reached_per_depth: Sequence[int] = ()) -> dict:
+    """``meta_info`` speculative counters under every SGLang spelling (the server's writer).
+
+    ``proposed`` counts drafts that could still be emitted (not past a stop or the length limit),
+    so accepted/proposed is the acceptance a user sees; per depth k, accepted[k] / reached[k] is
+    the exact per-draft acceptance α_k."""
     out = {
         SPEC_VERIFY_CT: verify_ct,
         SPEC_ACCEPT_LENGTH: completion / verify_ct if verify_ct else 0.0,
@@ -106,6 +111,7 @@ def spec_meta_info(verify_ct: int, completion: int, accepted: int, proposed: int
     for a, p in SPEC_KEY_PAIRS:
         out[a], out[p] = accepted, proposed
     out[SPEC_ACCEPTED_PER_DEPTH] = list(per_depth)
+    out[SPEC_REACHED_PER_DEPTH] = list(reached_per_depth)
     return out
 
 

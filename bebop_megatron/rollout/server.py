@@ -50,6 +50,7 @@ from starlette.background import BackgroundTask
 
 from bebop_megatron.rollout.engine import Engine, Request, SamplingParams, SpecConfig
 from bebop_megatron.rollout.modeling import CausalLMWithMTP
+from bebop_megatron.rollout.protocol import spec_meta_info
 from bebop_megatron.rollout.validation import (MAX_BATCH, MAX_N, BadRequest, GenerateInput, Limits, as_bool,
                                                as_int, as_str, parse_json_object, validate_generate)
 
@@ -257,6 +258,7 @@ def _snapshot(r: Request) -> Request:
     s.output_logprobs = list(r.output_logprobs)
     s.finish_reason = dict(r.finish_reason) if r.finish_reason is not None else None
     s.accepted_per_depth = list(r.accepted_per_depth)
+    s.reached_per_depth = list(r.reached_per_depth)
     s.spec_records = list(r.spec_records)
     return s
 
@@ -333,7 +335,8 @@ class BebopServer:
             else:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
         if self.engine.gamma:
-            meta.update(spec_metrics(r.verify_ct, completion, r.accepted, r.proposed, r.accepted_per_depth))
+            meta.update(spec_meta_info(r.verify_ct, completion, r.accepted, r.proposed, r.accepted_per_depth,
+                                       r.reached_per_depth))
             if r.spec_record_topk:
                 meta["spec_verify_records"] = r.spec_records
         return meta
@@ -879,13 +882,6 @@ def _hf_identity(model_path: str) -> tuple[Optional[str], Optional[list]]:
 
 def _short_path(p: str) -> str:
     return repr(p) if len(p) <= 80 else repr(p[:60]) + f"...({len(p)} chars)"
-
-
-def spec_metrics(verify_ct: int, completion: int, accepted: int, proposed: int, per_depth: list[int]) -> dict:
-    """meta_info speculative counters under every SGLang spelling (key names: rollout/protocol.py)."""
-    from bebop_megatron.rollout.protocol import spec_meta_info
-
-    return spec_meta_info(verify_ct, completion, accepted, proposed, per_depth)
 
 
 def _is_deepseek_mtp(name: str, model: CausalLMWithMTP) -> bool:
