@@ -123,7 +123,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     res = json.loads(out.read_text())
     assert all(v["ok"] for v in res["losses"].values())
     assert res["train"]["bf16"]["tokens_per_s"] > 0 and res["train"]["bf16"]["mfu"] > 0
-    assert set(res["rollout"]) == {"batch_1", "batch_4"}
+    assert set(res["rollout"]) == {"batch_1", "batch_4", "device_check"}
+    dc = res["rollout"]["device_check"]  # the engine's caches live where the model is
+    assert dc["cache_device"] == dc["engine_device"] == "cpu" and dc["greedy_spec_equals_plain_fraction"] == 1.0
     assert res["rollout"]["batch_4"]["mtp"]["tokens_per_verify"] >= 1
     assert res["e2e_tv_vs_ce"]["time_ratio_tv_over_ce"] > 0
     # without a GPU the real run refuses clearly

@@ -65,9 +65,10 @@ def test_weight_sync_while_generating_keeps_versions_atomic(tmp_path):
         batch = fut.result(timeout=300)
         assert len(batch.samples) == 16
         assert {s.weight_version for s in batch.samples} <= {0, 1}
-        # a sample is either finished before the pause (v0) or re-sent after the sync (v1): the
-        # re-sent ones are exactly the retries
-        assert sum(s.weight_version == 1 for s in batch.samples) == batch.retries
+        # a sample either finished before the pause (v0), or was aborted by the pause and re-sent
+        # (a retry), or arrived during the pause and was held until it ended: both run under v1
+        assert batch.retries >= 1  # the sync really caught requests in flight
+        assert sum(s.weight_version == 1 for s in batch.samples) >= batch.retries
     finally:
         mgr.close()
         for s in servers:
