@@ -21,6 +21,13 @@ measured per-draft acceptance α (accepted / reached drafts, pooled over depths)
 
     python tools/bench_rollout.py                          # the `make run` model (exported to HF first)
     python tools/bench_rollout.py --model-path HF_DIR --batch 1 4 --reps 5 --json out.json
+
+A realistic trunk/draft cost ratio (16 trunk layers, ONE recurrent MTP layer for γ = 3):
+
+    bebop train-mtp --config configs/bench_deep.yaml      # -> outputs/train_mtp_deep (a few minutes, 2 CPUs)
+    python tools/bench_rollout.py --run-dir outputs/train_mtp_deep --batch 1 4 16
+    # --run-dir DIR exports DIR/mtp to DIR/hf on first use (as the default model), then loads DIR/hf;
+    # equivalently: bebop convert megatron-to-hf --input DIR/mtp --output DIR/hf, then --model-path DIR/hf
 """
 
 from __future__ import annotations
@@ -44,14 +51,17 @@ DEFAULT_RUN = Path("outputs/train_mtp_tiny")
 VARIANTS = ("plain", "mtp_rejection", "mtp_target_only", "adaptive", "hf_generate", "hf_assisted")
 
 
-def default_model() -> Path:
-    hf = DEFAULT_RUN / "hf"
+def default_model(run_dir: Path = DEFAULT_RUN) -> Path:
+    """``run_dir/hf``, exported from the `bebop train-mtp` run's ``run_dir/mtp`` on first use."""
+    run_dir = Path(run_dir)
+    hf = run_dir / "hf"
     if not (hf / "config.json").exists():
-        if not (DEFAULT_RUN / "mtp" / "checkpoints").exists():
-            sys.exit("no model: run `make run` first, or pass --model-path")
+        if not (run_dir / "mtp" / "checkpoints").exists():
+            hint = "run `make run` first" if run_dir == DEFAULT_RUN else f"train it: bebop train-mtp (output_dir {run_dir})"
+            sys.exit(f"no model in {run_dir}: {hint}, or pass --model-path")
         from bebop_megatron.convert.hf_megatron import megatron_to_hf
 
-        megatron_to_hf(DEFAULT_RUN / "mtp", hf)
+        megatron_to_hf(run_dir / "mtp", hf, overwrite=True)
     return hf
 
 
@@ -144,7 +154,10 @@ def summarise(variant: str, batch: int, runs: list[dict], gamma: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--model-path", default=None, help="an HF folder (with MTP weights)")
+    ap.add_argument("--run-dir", default=None,
+                    help="a `bebop train-mtp` output_dir (e.g. outputs/train_mtp_deep): its mtp/ checkpoint is "
+                         "exported to DIR/hf on first use")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -159,7 +172,9 @@ def main(argv=None) -> int:
         print("note: the honest setting is --max-new-tokens >= 48 and --reps >= 5", file=sys.stderr)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    path = Path(args.model_path) if args.model_path else default_model()
+    if args.model_path and args.run_dir:
+        ap.error("--model-path and --run-dir are exclusive")
+    path = Path(args.model_path) if args.model_path else default_model(Path(args.run_dir or DEFAULT_RUN))
     model = CausalLMWithMTP.from_pretrained(path)
     gamma = args.gamma or max(int(json.loads((path / "config.json").read_text()).get("bebop_mtp_draft_steps", 0)
                                   or len(model.mtp)), 1)
