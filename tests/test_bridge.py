@@ -131,11 +131,13 @@ def test_bench_rollout_smoke(tmp_path):
     make_hf_checkpoint(tmp_path / "hf", "qwen3", "deepseek", num_mtp=2)
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--model-path", str(tmp_path / "hf"),
                           "--max-new-tokens", "6", "--batch", "1", "2", "--reps", "1",
-                          "--variants", "plain", "mtp_rejection", "adaptive", "hf_generate", "--json", str(tmp_path / "r.json")],
+                          "--variants", "plain", "mtp_rejection", "adaptive", "hf_generate", "--json", str(tmp_path / "r.json"),
+                          "--draft-vocab", "16"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "r.json").read_text())
     variants = {r["variant"] for r in rows}
-    assert {"plain", "mtp_rejection", "hf_generate"} <= variants, variants
+    assert {"plain", "mtp_rejection", "hf_generate", "mtp_rejection+dv16", "adaptive+dv16"} <= variants, variants
+    assert next(r for r in rows if r["variant"] == "mtp_rejection+dv16")["draft_vocab"] == 16
     spec = next(r for r in rows if r["variant"] == "mtp_rejection")
     assert 1.0 <= spec["tokens_per_verify"] <= 3.0 and 0.0 <= spec["accept_rate"] <= 1.0

@@ -185,3 +185,28 @@ def test_live_tp2_model_streams_exact_hf_buckets(qwen3):
     assert set(got) == set(src)
     assert all(torch.equal(got[n], src[n]) for n in src)
     assert len(buckets) > 3
+
+
+def test_dense_qwen3_recurrent_mtp_exports_one_module_the_engine_drafts_gamma_from(tmp_path):
+    """configs/bench_deep.yaml's shape in miniature: a dense qwen3 trunk (tied embeddings) with ONE
+    recurrent MTP layer for γ = 3 steps exports as one ``mtp.*`` module; the engine loads it and
+    drafts 3 tokens per round from it (every depth reached), greedy equal to plain decoding."""
+    from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
+
+    make_hf_checkpoint(tmp_path / "hf", "qwen3", "qwen3_next", num_mtp=1, tie=True, scale=2.0)
+    res = hf_to_megatron(tmp_path / "hf", tmp_path / "mc", tp=1, mtp_layers=3)
+    assert res["mtp_recurrent"] and res["mtp_layers"] == 3
+    megatron_to_hf(tmp_path / "mc", tmp_path / "back")
+    cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["mtp_num_hidden_layers"] == 1 and cfg["bebop_mtp_draft_steps"] == 3
+    model = CausalLMWithMTP.from_pretrained(tmp_path / "back", dtype=torch.float64)
+    assert len(model.mtp) == 1 and model.config.mtp_layout == "qwen3_next"
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    eng = Engine(model, spec=SpecConfig("mtp", cfg["bebop_mtp_draft_steps"]), max_running=2, max_len=64)
+    assert eng.gamma == 3
+    sampled = eng.generate(prompts, SamplingParams(max_new_tokens=24, temperature=1.0, seed=0))
+    assert all(len(r.output_ids) == 24 for r in sampled) and all(n > 0 for n in eng.stats()["spec_reached_per_depth"])
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0)
+    plain = Engine(model, spec=SpecConfig("none"), max_running=2, max_len=64).generate(prompts, sp)
+    spec = Engine(model, spec=SpecConfig("mtp", 3), max_running=2, max_len=64).generate(prompts, sp)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]

@@ -1,6 +1,8 @@
 """Embedded engine: HF-layout model equals transformers, MTP drafting equals a cache-free
 training-style recomputation, greedy speculation equals plain decoding, stops, batching."""
 
+import json
+
 import pytest
 import torch
 
@@ -221,3 +223,124 @@ def test_acceptance_metric_counts_only_drafts_that_could_be_emitted(qwen3_dir):
             for k in range(g - 1):
                 assert r.reached_per_depth[k + 1] <= r.accepted_per_depth[k]
     assert eng.stats()["spec_accepted_drafts"] > 0
+
+
+# ------------------------------------------------------------ reduced-vocabulary draft (token map)
+
+EVEN = list(range(0, 64, 2))  # a token map that leaves out every odd id
+
+
+def test_reduced_draft_vocab_drafts_equal_masked_cache_free_recomputation(tmp_path):
+    """With SpecConfig(draft_vocab=...) the engine's draft distributions are the cache-free MTP
+    distributions restricted to the map and renormalised (0 off the map; T = 1), the drafts lie
+    on the map, and the map's LM-head rows are re-sliced after a weight update."""
+    make_hf_checkpoint(tmp_path, "qwen3", "qwen3_next", num_mtp=1, scale=2.0)
+    model = CausalLMWithMTP.from_pretrained(tmp_path, dtype=torch.float64)
+    gamma = 3
+    eng = Engine(model, spec=SpecConfig("mtp", gamma, "rejection", draft_vocab=EVEN), max_running=3, max_len=96,
+                 sampling_dtype=torch.float64)
+    prompts = [[3, 4, 5, 6, 7], [9], [10, 11, 12, 13, 14, 15, 16, 17]]
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=60, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+    eng.step()
+    for _ in range(5):
+        eng._speculative_round(reqs, gamma)
+    assert eng.stats()["spec_draft_vocab_size"] == 32
+    st = SamplingTensors.build([r.params for r in reqs])
+    L = torch.tensor([len(r.tokens) for r in reqs])
+    drafts, q = eng._draft(torch.tensor([r.slot for r in reqs]), L, st, gamma, torch.rand(3, gamma, dtype=torch.float64))
+    assert (drafts % 2 == 0).all() and (q[..., 1::2] == 0).all()
+    for i, r in enumerate(reqs):
+        seq = r.tokens + drafts[i, : gamma - 1].tolist()
+        ref = full_mtp_distributions(model, seq, gamma, SamplingTensors.build([r.params]))
+        for k in range(1, gamma + 1):
+            full = ref[k][len(r.tokens) - 2]
+            masked = torch.zeros_like(full)
+            masked[EVEN] = full[EVEN] / full[EVEN].sum()
+            assert torch.allclose(q[i, k - 1], masked, atol=1e-10), (i, k)
+    # a weight update (in place) is seen by the next draft: the sliced head rows follow the weights
+    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    eng.update_weights({name: w.detach() * 1.5})
+    assert torch.equal(eng._draft_head(), w.detach()[EVEN])
+
+
+@pytest.mark.parametrize("verify", ["rejection", "target_only"])
+def test_greedy_with_reduced_draft_vocab_equals_plain(qwen3_dir, tmp_path, verify):
+    """Temperature 0 with a map that leaves out half the vocabulary (argmax targets off the map
+    are rejected drafts, then emitted by the verifier) is still plain greedy decoding; the map
+    loads from a .pt (SGLang's --speculative-token-map format) or a .json file."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]]
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0)
+    plain = Engine(model, spec=SpecConfig("none"), max_running=4, max_len=64).generate(prompts, sp)
+    torch.save(torch.tensor(EVEN), tmp_path / "map.pt")
+    (tmp_path / "map.json").write_text(json.dumps(EVEN))
+    for token_map in (str(tmp_path / "map.pt"), tmp_path / "map.json"):
+        eng = Engine(model, spec=SpecConfig("mtp", 3, verify, draft_vocab=token_map), max_running=4, max_len=64)
+        assert eng.draft_ids.tolist() == EVEN
+        spec = eng.generate(prompts, sp)
+        assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    emitted = [t for r in plain for t in r.output_ids]
+    assert any(t % 2 for t in emitted)  # some argmax tokens lie off the map
+    assert eng.stats()["spec_proposed_drafts"] > 0  # (random tiny heads: greedy drafts are rarely accepted)
+    with pytest.raises(ValueError, match="token map"):
+        Engine(model, spec=SpecConfig("mtp", 3, draft_vocab=[0, 64]), max_running=1, max_len=64)
+
+
+def test_reduced_draft_vocab_engine_joint_law_matches_target(qwen3_dir):
+    """End to end through the engine's float32 fast path with a map that leaves out ids carrying
+    target mass: the joint law of (prefill token, then two tokens from the first verify step) over
+    many seeded requests equals the target's, by chi-square (cells with expected count < 5 pooled)."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    prompt, N, V = [5, 6, 7], 4000, 64
+    eng = Engine(model, spec=SpecConfig("mtp", 3, "rejection", draft_vocab=EVEN), max_running=500, max_len=16)
+    reqs = eng.generate([prompt] * N, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
+                                       for i in range(N)])
+    out = torch.tensor([r.output_ids for r in reqs])
+    assert eng.stats()["spec_verify_ct"] > 0
+    # exact law: p(a | prompt) p(b | prompt a) p(c | prompt a b)
+    st = SamplingTensors.build([SamplingParams(temperature=1.0)])
+
+    def probs(seqs):
+        ids = torch.tensor(seqs)
+        b = make_batch_index(list(range(len(seqs))), [0] * len(seqs), [ids.shape[1]] * len(seqs), "cpu")
+        normed, _ = model.trunk(ids, model.new_cache(len(seqs), ids.shape[1], "trunk"), b)
+        return process_logits(model.logits(normed[:, -1]), st.expand(len(seqs)))
+
+    pa = probs([prompt])[0]
+    pb = probs([prompt + [a] for a in range(V)])  # [a, b]
+    pc = probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    exact = (pa.view(V, 1, 1) * pb.view(V, V, 1) * pc).flatten()
+    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V ** 3).double()
+    big = exact * N >= 5
+    pooled_c = torch.cat([counts[big], counts[~big].sum().view(1)])
+    pooled_p = torch.cat([exact[big], exact[~big].sum().view(1)])
+    from tests.test_sampling import chi2_pvalue
+
+    assert chi2_pvalue(pooled_c, pooled_p) > 1e-4
+    odd_mass = pb[:, 1::2].sum(-1) @ pa  # target mass of the second token off the map
+    assert odd_mass > 0.05 and bool((out[:, 1:] % 2 == 1).any())
+
+
+def test_serve_speculative_token_map_option(qwen3_dir, tmp_path):
+    """`bebop serve --speculative-token-map PATH` (SGLang's spelling) builds the reduced-vocabulary draft."""
+    import argparse
+
+    from bebop_megatron.rollout.server import add_serve_args, build_server
+
+    d, _ = qwen3_dir
+    torch.save(torch.tensor(EVEN), tmp_path / "map.pt")
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    base = ["--model-path", str(d), "--tokenizer", "char", "--speculative-algorithm", "NEXTN",
+            "--speculative-num-steps", "2", "--max-running-requests", "2", "--context-length", "64"]
+    server = build_server(p.parse_args(base + ["--speculative-token-map", str(tmp_path / "map.pt")]))
+    try:
+        eng = server.engine
+        assert eng.gamma == 2 and eng.draft_ids.tolist() == EVEN and eng.stats()["spec_draft_vocab_size"] == 32
+    finally:
+        server.worker.stop()
+    with pytest.raises(SystemExit, match="token-map"):
+        build_server(p.parse_args(base + ["--speculative-token-map", str(tmp_path / "nope.pt")]))

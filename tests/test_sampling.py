@@ -10,7 +10,10 @@ from bebop_megatron.rollout.sampling import (
     SamplingTensors,
     draft_tokens,
     expected_tokens_per_step,
+    load_token_map,
     process_logits,
+    reduced_draft_probs,
+    reduced_draft_probs_reference,
     sample_rows,
     sample_with_uniform,
     verify_chain,
@@ -201,10 +204,11 @@ def test_tokens_per_step_bound():
     assert abs(expected_tokens_per_step(0.5, 2) - 1.75) < 1e-12
 
 
-def _fast_rounds(toy, start, n_tokens, mode, N, seed):
+def _fast_rounds(toy, start, n_tokens, mode, N, seed, draft=None):
     """The engine's fast path, vectorised over N independent requests: float32 distributions,
     all of a round's uniforms drawn at once ([N, 2γ+1]), drafts by inverse CDF, verify_chain with
-    uniforms. Returns [N, n_tokens] emitted tokens and the per-depth (accepted, reached) counts."""
+    uniforms. Returns [N, n_tokens] emitted tokens and the per-depth (accepted, reached) counts.
+    ``draft(k, ctx)``: the float32 draft distributions [N, V] of depth k (default toy.Q[k][ctx])."""
     g, V = toy.gamma, toy.V
     T = toy.T.float()
     Q = [q.float() for q in toy.Q]
@@ -219,7 +223,7 @@ def _fast_rounds(toy, start, n_tokens, mode, N, seed):
         u = torch.rand(N, 2 * g + 1, generator=gen).float()
         drafts, qs, ctx = [], [], prev
         for k in range(g):
-            q = Q[k][ctx]
+            q = Q[k][ctx] if draft is None else draft(k, ctx)
             d = sample_with_uniform(q, u[:, k]) if mode == "rejection" else q.argmax(-1)
             drafts.append(d)
             qs.append(q)
@@ -274,3 +278,117 @@ def test_fast_path_greedy_rows_are_argmax():
     res = verify_chain(p, q, d, "rejection", uniforms=u[:, 3:])
     ref = verify_chain(p.double(), q.double(), d, "greedy")
     assert torch.equal(res.num_accepted, ref.num_accepted) and torch.equal(res.next_token, ref.next_token)
+
+
+# ------------------------------------------------------------ reduced-vocabulary draft (token map)
+
+TEMP1 = SimpleNamespace(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0)
+
+
+def _toy_head(toy, k):
+    """Depth k of the toy draft as a hidden state and an LM head: hidden = one-hot(context),
+    head weight [V, V] = log Q_k^T, so logits(ctx) = log Q_k[ctx] and softmax gives Q_k[ctx] back."""
+    return toy.Q[k].log().T.contiguous()
+
+
+def test_reduced_draft_probs_fast_equals_float64_reference():
+    """The fast path (the map's LM-head rows only, float32, then scattered) equals the float64
+    reference (full-vocab logits, -inf off the map) for every sampling setting, greedy rows included."""
+    g = torch.Generator().manual_seed(21)
+    V, h, B = 40, 16, 6
+    W = torch.randn(V, h, generator=g, dtype=torch.float64)
+    hid = torch.randn(B, h, generator=g, dtype=torch.float64)
+    ids = load_token_map([7, 3, 3, 11, 0, 25, 39, 18, 30, 12], V)
+    assert ids.tolist() == [0, 3, 7, 11, 12, 18, 25, 30, 39]  # sorted, deduplicated
+    params = [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8),
+              dict(temperature=1.0, min_p=0.1), dict(temperature=0.0), dict(temperature=0.9, top_k=50)]
+    st = SamplingTensors.build([SimpleNamespace(**{**vars(TEMP1), **kw}) for kw in params])
+    ref = reduced_draft_probs_reference(hid, W, ids, st)
+    off = torch.ones(V, dtype=torch.bool)
+    off[ids] = False
+    assert (ref[:, off] == 0).all() and torch.allclose(ref.sum(-1), torch.ones(B, dtype=torch.float64))
+    for dtype, tol in [(torch.float64, 1e-12), (torch.float32, 1e-5)]:
+        fast = reduced_draft_probs(hid.to(dtype), W[ids].to(dtype), ids, V, st, dtype)
+        assert fast.dtype == dtype and (fast[:, off] == 0).all()
+        assert (fast.double() - ref).abs().max() < tol, dtype
+    assert torch.equal(ref[4].argmax(), ids[(hid[4] @ W[ids].T).argmax()])  # greedy: argmax over the map
+    for bad in ([], [[1, 2]], [1.5], [0, V]):
+        with pytest.raises(ValueError):
+            load_token_map(bad, V)
+
+
+MAP = [0, 2, 3]  # excludes ids 1 and 4, which have target mass in every context
+
+
+def _reduced_toy():
+    """ToyLM whose drafts are the float64 reference reduced-vocabulary drafts over MAP."""
+    toy = ToyLM()
+    ids, V = torch.tensor(MAP), toy.V
+    st = SamplingTensors.build([TEMP1] * V)
+    full_q = [q.clone() for q in toy.Q]
+    toy.Q = [reduced_draft_probs_reference(torch.eye(V, dtype=torch.float64), _toy_head(toy, k), ids, st)
+             for k in range(toy.gamma)]
+    assert all(torch.allclose(toy.Q[k][:, MAP], full_q[k][:, MAP] / full_q[k][:, MAP].sum(-1, keepdim=True))
+               for k in range(toy.gamma))
+    assert (toy.T[:, [1, 4]].sum(-1) > 0.1).all()  # the excluded ids carry real target mass
+    return toy
+
+
+def test_reduced_draft_vocab_joint_law_matches_target_reference():
+    """float64 reference path: drafts drawn from q that is zero off the token map, verified
+    against the full-vocab target: the joint law of 3 emitted tokens is the target's (chi-square),
+    the ids off the map are emitted (through the residual / bonus), never drafted, and depth-1
+    acceptance is Σ_{x∈map} min(p, q) within 4 sigma."""
+    toy = _reduced_toy()
+    V, start, N = toy.V, 2, 12000
+    gen = torch.Generator().manual_seed(17)
+    counts = torch.zeros(V, V, V, dtype=torch.float64)
+    for _ in range(N):
+        a, b, c = toy.speculative_tokens(start, 3, "rejection", gen)
+        counts[a, b, c] += 1
+    exact = toy.T[start].view(V, 1, 1) * toy.T.view(V, V, 1) * toy.T.unsqueeze(0)
+    assert chi2_pvalue(counts.flatten(), exact.flatten()) > 1e-4
+    assert counts[1].sum() > 0 and counts[:, 4].sum() > 0
+    # depth-1 acceptance at a fixed context
+    p, q = toy.T[start], toy.Q[0][start]
+    M = 40000
+    gs = gens(M, 5)
+    d = draft_tokens(q.expand(M, V), "rejection", gs)
+    assert set(d.unique().tolist()) <= set(MAP)
+    res = verify_chain(p.expand(M, 2, V), q.expand(M, 1, V), d.unsqueeze(-1), "rejection", gs)
+    expected = torch.minimum(p, q).sum().item()
+    assert expected <= p[MAP].sum().item() + 1e-12
+    rate = res.num_accepted.double().mean().item()
+    assert abs(rate - expected) < 4 * math.sqrt(expected * (1 - expected) / M), (rate, expected)
+    first = torch.where(res.num_accepted > 0, d, res.next_token)
+    assert chi2_pvalue(torch.bincount(first, minlength=V).double(), p) > 1e-4
+
+
+def test_reduced_draft_vocab_fast_path_joint_law_and_acceptance():
+    """The engine's fast path with the map: drafts from reduced_draft_probs (the map's head rows,
+    float32), one draw of uniforms per request and round; chi-square on the joint law of 3 tokens
+    and depth-1 acceptance within 4 sigma of Σ_{x∈map} min(p, q)."""
+    toy = ToyLM()
+    V, start, N = toy.V, 2, 30000
+    ids = torch.tensor(MAP)
+    st = SamplingTensors.build([TEMP1] * N)
+    heads = [_toy_head(toy, k)[ids].float() for k in range(toy.gamma)]
+    eye = torch.eye(V)
+
+    def draft(k, ctx):
+        q = reduced_draft_probs(eye[ctx], heads[k], ids, V, st, torch.float32)
+        assert (q[:, [1, 4]] == 0).all()
+        return q
+
+    out, acc, reach = _fast_rounds(toy, start, 3, "rejection", N, seed=13, draft=draft)
+    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V ** 3).double()
+    exact = (toy.T[start].view(V, 1, 1) * toy.T.view(V, V, 1) * toy.T.unsqueeze(0)).flatten()
+    assert chi2_pvalue(counts, exact) > 1e-4
+    assert bool(((out == 1) | (out == 4)).any())
+    _, acc1, reach1 = _fast_rounds(toy, start, 1, "rejection", N, seed=14, draft=draft)
+    p = toy.T[start]
+    q = reduced_draft_probs_reference(eye[start:start + 1].double(), _toy_head(toy, 0), ids,
+                                      SamplingTensors.build([TEMP1]))[0]
+    expected = torch.minimum(p, q).sum().item()
+    rate = (acc1[0] / reach1[0]).item()
+    assert abs(rate - expected) < 4 * math.sqrt(expected * (1 - expected) / N), (rate, expected)

@@ -21,6 +21,18 @@ measured per-draft acceptance α (accepted / reached drafts, pooled over depths)
 
     python tools/bench_rollout.py                          # the `make run` model (exported to HF first)
     python tools/bench_rollout.py --model-path HF_DIR --batch 1 4 --reps 5 --json out.json
+
+A reduced-vocabulary draft head (FR-Spec; SGLang's ``--speculative-token-map``):
+``--draft-vocab N`` adds, for every MTP variant, a twin ``<variant>+dvN`` whose draft proposes only
+the N most frequent token ids of the synthetic prompts + answers (drawn with another seed than the
+benchmark prompts); ``--draft-vocab PATH`` takes the ids from a .pt / .json token map instead.
+
+A realistic trunk/draft cost ratio (16 trunk layers, ONE recurrent MTP layer for γ = 3):
+
+    bebop train-mtp --config configs/bench_deep.yaml      # -> outputs/train_mtp_deep (a few minutes, 2 CPUs)
+    python tools/bench_rollout.py --run-dir outputs/train_mtp_deep --batch 1 4 16
+    # --run-dir DIR exports DIR/mtp to DIR/hf on first use (as the default model), then loads DIR/hf;
+    # equivalently: bebop convert megatron-to-hf --input DIR/mtp --output DIR/hf, then --model-path DIR/hf
 """
 
 from __future__ import annotations
@@ -44,20 +56,35 @@ DEFAULT_RUN = Path("outputs/train_mtp_tiny")
 VARIANTS = ("plain", "mtp_rejection", "mtp_target_only", "adaptive", "hf_generate", "hf_assisted")
 
 
-def default_model() -> Path:
-    hf = DEFAULT_RUN / "hf"
+def default_model(run_dir: Path = DEFAULT_RUN) -> Path:
+    """``run_dir/hf``, exported from the `bebop train-mtp` run's ``run_dir/mtp`` on first use."""
+    run_dir = Path(run_dir)
+    hf = run_dir / "hf"
     if not (hf / "config.json").exists():
-        if not (DEFAULT_RUN / "mtp" / "checkpoints").exists():
-            sys.exit("no model: run `make run` first, or pass --model-path")
+        if not (run_dir / "mtp" / "checkpoints").exists():
+            hint = "run `make run` first" if run_dir == DEFAULT_RUN else f"train it: bebop train-mtp (output_dir {run_dir})"
+            sys.exit(f"no model in {run_dir}: {hint}, or pass --model-path")
         from bebop_megatron.convert.hf_megatron import megatron_to_hf
 
-        megatron_to_hf(DEFAULT_RUN / "mtp", hf)
+        megatron_to_hf(run_dir / "mtp", hf, overwrite=True)
     return hf
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng, tok = random.Random(seed), CharTokenizer()
     return [tok.encode(synthetic_problem(rng)[0]) for _ in range(n)]
+
+
+def frequent_token_ids(n: int, samples: int = 2000, seed: int = 12345) -> list[int]:
+    """The n most frequent ids of synthetic prompts + answers (+ eos), ties by lower id."""
+    from collections import Counter
+
+    rng, tok = random.Random(seed), CharTokenizer()
+    cnt = Counter()
+    for _ in range(samples):
+        prompt, answer = synthetic_problem(rng)
+        cnt.update(tok.encode(prompt + answer) + [tok.eos_id])
+    return sorted(sorted(cnt, key=lambda t: (-cnt[t], t))[:n])
 
 
 class EngineVariant:
@@ -144,7 +171,10 @@ def summarise(variant: str, batch: int, runs: list[dict], gamma: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--model-path", default=None, help="an HF folder (with MTP weights)")
+    ap.add_argument("--run-dir", default=None,
+                    help="a `bebop train-mtp` output_dir (e.g. outputs/train_mtp_deep): its mtp/ checkpoint is "
+                         "exported to DIR/hf on first use")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -153,13 +183,18 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=None, help="drafts per step (default: the model's MTP depth)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--skip-hf", action="store_true", help="drop the hf_* variants")
+    ap.add_argument("--draft-vocab", default=None, metavar="N|PATH",
+                    help="also run every MTP variant with a reduced-vocabulary draft: the N most frequent ids of "
+                         "the synthetic data, or a .pt/.json token map")
     ap.add_argument("--json", default=None, help="also write the records here")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 48 or args.reps < 5:
         print("note: the honest setting is --max-new-tokens >= 48 and --reps >= 5", file=sys.stderr)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    path = Path(args.model_path) if args.model_path else default_model()
+    if args.model_path and args.run_dir:
+        ap.error("--model-path and --run-dir are exclusive")
+    path = Path(args.model_path) if args.model_path else default_model(Path(args.run_dir or DEFAULT_RUN))
     model = CausalLMWithMTP.from_pretrained(path)
     gamma = args.gamma or max(int(json.loads((path / "config.json").read_text()).get("bebop_mtp_draft_steps", 0)
                                   or len(model.mtp)), 1)
@@ -169,6 +204,15 @@ def main(argv=None) -> int:
     specs = {"plain": SpecConfig("none"), "mtp_rejection": SpecConfig("mtp", gamma, "rejection"),
              "mtp_target_only": SpecConfig("mtp", gamma, "target_only"),
              "adaptive": SpecConfig("mtp", gamma, "rejection", adaptive=True)}
+    if args.draft_vocab and model.has_mtp:
+        from dataclasses import replace
+
+        dv = args.draft_vocab
+        token_map = frequent_token_ids(int(dv)) if dv.isdigit() else dv
+        tag = f"+dv{dv}" if dv.isdigit() else "+dvmap"
+        for v in [v for v in variants if v in specs and v != "plain"]:
+            specs[v + tag] = replace(specs[v], draft_vocab=token_map)
+            variants.insert(variants.index(v) + 1, v + tag)
     records = []
     for b in args.batch:
         ps = prompts(b, seed=b)
@@ -191,6 +235,9 @@ def main(argv=None) -> int:
             for v, r in runners.items():  # interleaved
                 runs[v].append(r.run(ps))
         recs = {v: summarise(v, b, runs[v], gamma) for v in runners}
+        for v, rec in recs.items():  # draft token-map size (None: the full vocabulary)
+            ids = getattr(getattr(runners[v], "eng", None), "draft_ids", None)
+            rec["draft_vocab"] = int(ids.numel()) if ids is not None else None
         base = recs.get("plain")
         for rec in recs.values():
             rec["speedup_vs_plain"] = rec["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -205,11 +252,11 @@ def main(argv=None) -> int:
 def _print(rows, path, gamma, args) -> None:
     print(f"\nmodel: {path}  γ≤{gamma}  batch={rows[0]['batch']}  new tokens={args.max_new_tokens}  "
           f"T={args.temperature}  threads={torch.get_num_threads()}  median of {args.reps} interleaved reps")
-    print(f"{'variant':16s} {'tok/s':>8s} {'vs plain':>8s} {'cpu vs':>7s} {'tok/verify':>10s} {'bound':>6s} "
+    print(f"{'variant':20s} {'tok/s':>8s} {'vs plain':>8s} {'cpu vs':>7s} {'tok/verify':>10s} {'bound':>6s} "
           f"{'alpha':>6s} {'acc rate':>8s} {'mean γ':>6s}")
     f = lambda x, w, p=3: f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else " " * w
     for r in rows:
-        print(f"{r['variant']:16s} {r['tokens_per_s']:8.1f} {f(r['speedup_vs_plain'], 7, 2)}x "
+        print(f"{r['variant']:20s} {r['tokens_per_s']:8.1f} {f(r['speedup_vs_plain'], 7, 2)}x "
               f"{f(r['speedup_vs_plain_cpu'], 6, 2)}x {f(r['tokens_per_verify'], 10)} {f(r['bound'], 6)} "
               f"{f(r['alpha'], 6)} {f(r['accept_rate'], 8)} {f(r.get('mean_gamma'), 6, 2)}", flush=True)
 

@@ -23,6 +23,21 @@ SGLang's draft-extend and vLLM's EagleProposer do):
 A round with γ_r = 0 is a plain decoding step. The trunk prefill does not run MTP: the depths
 catch up over the prompt in the first draft pass, batched with every other request's draft.
 
+Reduced-vocabulary draft head (``SpecConfig.draft_vocab``; FR-Spec, SGLang's
+``--speculative-token-map``): the MTP draft logits are computed over a token map M of N ids only
+(the N rows of the LM head, sliced once: the draft's LM-head matmul costs N/V of the full one),
+processed with the request's sampling parameters, and put on the full vocabulary with q = 0 off
+M. Verification is unchanged and still exact against the full-vocab target p, because rejection
+sampling is exact for ANY draft law q provided the draft is drawn from q and the verifier uses
+that same q: draft x is emitted with probability q(x) min(1, p(x)/q(x)) = min(p, q)(x), and on
+rejection (probability 1 - Σ min(p, q) = Σ max(0, p - q)) the token is drawn from
+norm(max(0, p - q)), so in total P(x) = min(p, q)(x) + max(0, p - q)(x) = p(x). Off the map
+q(x) = 0: a draft can never be x, min(p, q)(x) = 0 and the residual max(0, p - q)(x) = p(x) holds
+all of x's target mass, so ids outside M are still emitted at their exact rate (through the
+residual and the bonus token). The price is acceptance only: α = Σ_{x∈M} min(p, q)(x) ≤ p(M).
+target_only (argmax of q, accepted with probability p(x)) and greedy (accept iff the draft is
+argmax p) are exact for any draft too, so temperature 0 still equals plain greedy decoding.
+
 Sampling and verification run in float32 (``sampling_dtype``; float64 is the reference) with
 all of a request's uniforms for a round drawn at once from its own generator.
 
@@ -60,8 +75,8 @@ import torch
 from torch import Tensor
 
 from bebop_megatron.rollout.modeling import CausalLMWithMTP, KVCache, make_batch_index
-from bebop_megatron.rollout.sampling import (SamplingTensors, process_logits, round_uniforms, sample_with_uniform,
-                                             verify_chain)
+from bebop_megatron.rollout.sampling import (SamplingTensors, load_token_map, process_logits, reduced_draft_probs,
+                                             round_uniforms, sample_with_uniform, verify_chain)
 
 
 class RequestError(ValueError):
@@ -106,6 +121,9 @@ class SpecConfig:
     num_draft_tokens: int = 3  # γ
     verify: str = "rejection"  # rejection | target_only (temperature 0 always verifies greedily)
     adaptive: bool = False  # pick γ per round (0..num_draft_tokens) from measured cost and acceptance
+    # reduced-vocabulary draft head (FR-Spec; SGLang's --speculative-token-map): the token ids the
+    # MTP draft may propose (a list / 1-D tensor, or a .pt / .json file of one); None = full vocab
+    draft_vocab: Optional[object] = None
 
     def validate(self, model: CausalLMWithMTP) -> None:
         if self.algorithm not in ("none", "mtp"):
@@ -117,6 +135,8 @@ class SpecConfig:
                 raise ValueError("num_draft_tokens must be >= 1")
             if self.verify not in ("rejection", "target_only"):
                 raise ValueError(f"verify must be rejection or target_only, got {self.verify!r}")
+            if self.draft_vocab is not None:
+                load_token_map(self.draft_vocab, model.config.vocab_size)
 
 
 @dataclass
@@ -176,6 +196,10 @@ class Engine:
             self.tok = torch.zeros(max_running, self.cache_len, dtype=torch.long, device=dev)  # committed tokens
             self.carry = torch.zeros(max_running, g + 1, h, dtype=dtype, device=dev)
             self.valid = torch.zeros(max_running, g + 1, dtype=torch.long, device=dev)
+        # reduced-vocabulary draft: the map's ids and their LM-head rows (re-sliced when the weights change)
+        self.draft_ids = (load_token_map(self.spec.draft_vocab, model.config.vocab_size).to(dev)
+                          if g and self.spec.draft_vocab is not None else None)
+        self._draft_head_rows, self._draft_head_key = None, None
         self.free_slots = list(range(max_running))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -490,7 +514,11 @@ class Engine:
             self.carry[sl, k] = torch.where(has[:, None], out[rows, ci.clamp(min=0)], self.carry[sl, k])
             self.valid[sl, k] = (L - k).clamp(min=0)
             h_last = out[rows, n - 1]
-            qk = process_logits(self.model.logits(h_last), st, self.sampling_dtype)
+            if self.draft_ids is None:
+                qk = process_logits(self.model.logits(h_last), st, self.sampling_dtype)
+            else:  # the map's N rows of the LM head only; q is 0 off the map
+                qk = reduced_draft_probs(h_last, self._draft_head(), self.draft_ids, self.model.config.vocab_size,
+                                         st, self.sampling_dtype)
             q_rows.append(qk)
             if self.spec.verify == "rejection":
                 d = sample_with_uniform(qk, u[:, k - 1])
@@ -499,6 +527,17 @@ class Engine:
             drafts[:, k - 1] = torch.where(greedy, qk.argmax(-1), d)
             prev_out, prev_start = out, start
         return drafts, torch.stack(q_rows, dim=1)
+
+    def _draft_head(self) -> Tensor:
+        """LM-head rows of the draft token map [N, h], sliced once and again only after the
+        weights change (an in-place update bumps the parameter's version counter)."""
+        m = self.model
+        w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if key != self._draft_head_key:
+            self._draft_head_rows = w.detach().index_select(0, self.draft_ids).contiguous()
+            self._draft_head_key = key
+        return self._draft_head_rows
 
     def _commit(self, r: Request, tokens: list[int], logits_rows: Tensor) -> None:
         lp = None
@@ -614,6 +653,7 @@ class Engine:
             "spec_gamma_last": self.last_gamma if g else 0,
             "spec_gamma_hist": list(self.gamma_hist),
             "spec_plain_steps": self.total_plain_steps,
+            "spec_draft_vocab_size": int(self.draft_ids.numel()) if self.draft_ids is not None else None,
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
             "total_generated_tokens": self.total_generated,

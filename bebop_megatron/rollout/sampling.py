@@ -17,6 +17,13 @@ the target p token by token):
 Randomness is per request: every row draws its uniforms from its own ``torch.Generator``, so a
 request's tokens do not depend on what else is in the batch.
 
+Reduced-vocabulary drafts (FR-Spec, SGLang's ``--speculative-token-map``): the draft
+distribution is computed over a token map of N ids only (``reduced_draft_probs``: the N rows of
+the LM head, then the same processing) and scattered onto the full vocabulary, zero off the map;
+``reduced_draft_probs_reference`` is the float64 pure-torch reference (full-vocab logits, off-map
+logits set to -inf). Verification is unchanged: any draft law q works, the residual
+max(0, p - q) is p itself off the map (see bebop_megatron/rollout/engine.py).
+
 Two precisions: the float64 reference (``process_logits(..., dtype=torch.float64)``, uniforms
 drawn per call from the generators) and the float32 fast path the engine uses (softmax, inverse
 CDF and the acceptance test in float32, all uniforms of a round given as one tensor drawn with
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 VERIFY_MODES = ("rejection", "target_only", "greedy")
@@ -92,6 +100,51 @@ def process_logits(logits: Tensor, st: SamplingTensors, dtype=torch.float64) -> 
         onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.to(z.device).unsqueeze(-1), onehot, probs)
     return probs
+
+
+def load_token_map(token_map, vocab_size: int) -> Tensor:
+    """Token ids a reduced-vocabulary draft may propose, as a sorted, deduplicated long tensor.
+
+    ``token_map``: a sequence or 1-D tensor of ids, or a path to a ``.pt`` file holding one (the
+    format of SGLang's ``--speculative-token-map`` / FR-Spec's frequency maps) or a ``.json``
+    list. Sorting keeps the inverse CDF over the map in id order (argmax ties: lowest id)."""
+    if isinstance(token_map, (str, bytes)) or hasattr(token_map, "__fspath__"):
+        import json
+        from pathlib import Path
+
+        path = Path(token_map)
+        if not path.exists():
+            raise ValueError(f"token map {path}: no such file")
+        if path.suffix == ".json":
+            token_map = json.loads(path.read_text())
+        else:
+            token_map = torch.load(path, map_location="cpu", weights_only=True)
+    ids = torch.as_tensor(token_map)
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"token map must be a non-empty 1-D list of integer ids, got shape {tuple(ids.shape)} "
+                         f"dtype {ids.dtype}")
+    ids = torch.unique(ids.long())  # sorted
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(f"token map ids must lie in [0, {vocab_size}), got {int(ids[0])}..{int(ids[-1])}")
+    return ids
+
+
+def reduced_draft_probs(hidden: Tensor, head_rows: Tensor, ids: Tensor, vocab_size: int, st: "SamplingTensors",
+                        dtype=torch.float32) -> Tensor:
+    """Draft distribution over the token map only, on the full vocabulary [B, V] (0 off the map).
+
+    ``head_rows`` = LM head weight rows ``ids`` [N, h] (prepared once): the logits cost N rows,
+    not V; temperature / top-k / top-p / min-p act on the map's logits."""
+    small = process_logits(F.linear(hidden, head_rows), st, dtype)  # [B, N]
+    return small.new_zeros(small.shape[0], vocab_size).index_copy_(1, ids.to(small.device), small)
+
+
+def reduced_draft_probs_reference(hidden: Tensor, head_weight: Tensor, ids: Tensor, st: "SamplingTensors") -> Tensor:
+    """float64 reference of ``reduced_draft_probs``: full-vocab logits, -inf off the map."""
+    logits = F.linear(hidden.double(), head_weight.double())
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[ids.to(logits.device)] = True
+    return process_logits(logits.masked_fill(~keep, float("-inf")), st, torch.float64)
 
 
 def sample_rows(probs: Tensor, generators: Sequence[Optional[torch.Generator]]) -> Tensor:

@@ -622,7 +622,9 @@ class BebopServer:
                     "speculative_algorithm": server.spec_algorithm_name if e.gamma else None,
                     "speculative_num_steps": e.gamma, "speculative_eagle_topk": 1 if e.gamma else None,
                     "speculative_num_draft_tokens": e.gamma + 1 if e.gamma else None,
-                    "speculative_verify": e.spec.verify, "max_running_requests": e.max_running,
+                    "speculative_verify": e.spec.verify,
+                    "speculative_token_map": e.spec.draft_vocab if isinstance(e.spec.draft_vocab, str) else None,
+                    "max_running_requests": e.max_running,
                     "max_total_num_tokens": e.max_running * e.max_len, "context_length": e.max_len,
                     "tp_size": 1, "dp_size": 1, "pp_size": 1, "paused": server.worker.paused,
                     "weight_version": e.weight_version, "internal_states": [st]}
@@ -940,6 +942,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="= steps + 1 for topk 1")
     p.add_argument("--speculative-use-rejection-sampling", action="store_true", default=True)
     p.add_argument("--speculative-verify", default="rejection", choices=["rejection", "target_only"])
+    p.add_argument("--speculative-token-map", default=None, metavar="PATH",
+                   help="reduced-vocabulary draft (FR-Spec): a .pt (or .json) list of the token ids the MTP draft "
+                        "may propose; verification stays exact against the full vocabulary")
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--weight-version", default="default")
@@ -955,8 +960,11 @@ def build_server(args) -> BebopServer:
         raise SystemExit("bebop serve: --speculative-num-draft-tokens must be --speculative-num-steps + 1")
     model = CausalLMWithMTP.from_pretrained(args.model_path, dtype=getattr(torch, args.dtype),
                                             device=getattr(args, "device", "cpu"))
+    token_map = getattr(args, "speculative_token_map", None)
+    if token_map and not Path(token_map).is_file():
+        raise SystemExit(f"bebop serve: --speculative-token-map {token_map}: no such file")
     spec = SpecConfig("mtp" if algo in ("nextn", "eagle", "mtp") else "none", args.speculative_num_steps,
-                      args.speculative_verify)
+                      args.speculative_verify, draft_vocab=token_map or None)
     engine = Engine(model, load_tokenizer_for(args.model_path, args.tokenizer), spec,
                     max_running=args.max_running_requests, max_len=args.context_length,
                     weight_version=args.weight_version)
