@@ -104,6 +104,8 @@ def test_info_endpoints_and_completions(server):
     assert server.get("/health_generate").status_code == 200
     info = server.get("/get_model_info").json()
     assert info["is_generation"] and info["num_mtp_modules"] == 3
+    gen = server.post("/generate", {"text": "5+5=", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert gen.status_code == 200, gen.text  # so that the speculative counters below are this test's own
     si = server.get("/get_server_info").json()
     assert si["speculative_num_steps"] == 3 and si["internal_states"][0]["avg_spec_accept_length"] >= 1.0
     assert server.post("/flush_cache").json()["success"]
