@@ -11,7 +11,8 @@ import torch
 
 from bebop_megatron.rl.batch import prepare_batch
 from bebop_megatron.rl.grpo import group_advantages
-from bebop_megatron.rl.rollout import PromptSource, Prompt, Sample
+from bebop_megatron.rl.rollout import PromptSource
+from bebop_megatron.rl.types import Prompt, Sample
 from tests.distributed import run_distributed
 
 
@@ -54,8 +55,9 @@ def fake_samples(seed: int, n_prompts: int = 2, group: int = 4, gamma: int = 2, 
                 probs = [[0.5 / topk] * topk for _ in range(gamma)]
                 recs.append({"pos": pos, "accepted": acc, "topk_ids": ids, "topk_probs": probs})
                 pos += acc + 1
-            out.append(Sample(p, prompt, resp, [-rng.uniform(0.5, 3.0) for _ in resp], float((p + g) % 2),
-                              False, 0, spec_records=recs, verify_ct=len(recs)))
+            out.append(Sample(prompt_index=p, prompt_ids=prompt, response_ids=resp,
+                              rollout_logprobs=[-rng.uniform(0.5, 3.0) for _ in resp], reward=float((p + g) % 2),
+                              truncated=False, weight_version=0, spec_records=recs, verify_ct=len(recs)))
     return out
 
 
@@ -91,7 +93,7 @@ def test_dynamic_sampling_and_overlong_filter():
 
 
 def test_prompt_order_is_a_function_of_seed_and_step():
-    prompts = [Prompt(str(i), str(i)) for i in range(10)]
+    prompts = [Prompt(text=str(i), answer=str(i)) for i in range(10)]
     a, b = PromptSource(prompts, 3), PromptSource(prompts, 3)
     seq = [a.indices_for_step(s, 4) for s in range(6)]
     assert seq == [b.indices_for_step(s, 4) for s in range(6)]

@@ -10,7 +10,7 @@ import torch
 
 from bebop_megatron.rl.grpo import policy_loss
 from bebop_megatron.rl.mtp_objectives import occ_coefficient
-from bebop_megatron.rl.rollout import Sample
+from bebop_megatron.rl.types import Sample
 from tests.distributed import run_distributed
 from tests.test_rl import fake_samples, rl_tiny_config
 
@@ -137,7 +137,8 @@ def _sample_rollouts(model, tok_prompts, group: int, new_tokens: int, seed: int,
                         ids.append(t)
                         lps.append(float(lp[t]))
                     resp = ids[len(prompt):]
-                    out.append(Sample(pi, list(prompt), resp, lps, reward_fn(resp), False, 0))
+                    out.append(Sample(prompt_index=pi, prompt_ids=list(prompt), response_ids=resp, rollout_logprobs=lps,
+                                      reward=reward_fn(resp), truncated=False, weight_version=0))
     finally:
         model.postprocess_hook = hook
         model.train()

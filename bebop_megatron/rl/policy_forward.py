@@ -23,7 +23,6 @@ megatron-core injects its MTP loss:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,28 +31,7 @@ from torch import Tensor
 from bebop_megatron.mtp.losses import _pad_mask, vocab_parallel_entropy, vocab_parallel_softmax
 from bebop_megatron.rl.grpo import policy_loss
 from bebop_megatron.rl.mtp_objectives import dca_loss, topk_residual_alpha
-
-
-@dataclass
-class RLMicroBatch:
-    """One micro-batch of rollout samples, [b, s] tensors aligned to label positions."""
-
-    tokens: Tensor
-    labels: Tensor
-    loss_mask: Tensor  # response tokens of kept samples
-    position_ids: Tensor
-    advantages: Tensor  # [b]
-    rollout_logp: Tensor
-    old_logp: Optional[Tensor] = None  # from a forward-only pass (None: this pass's detached log-probs)
-    old_mtp_logp: Optional[Tensor] = None  # OCC: depth-1 MTP log-probs of the old policy (aligned to labels)
-    ref_logp: Optional[Tensor] = None
-    rec_pos: Optional[Tensor] = None  # [b, R] GrowMTP verify positions (-1: none)
-    rec_acc: Optional[Tensor] = None  # [b, R]
-    rec_ids: Optional[Tensor] = None  # [b, R, γ, k]
-    rec_probs: Optional[Tensor] = None  # [b, R, γ, k]
-
-    def to(self, device) -> "RLMicroBatch":
-        return RLMicroBatch(**{k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in vars(self).items()})
+from bebop_megatron.rl.types import RLMicroBatch  # noqa: F401 (also importable from here)
 
 
 class RLForward:

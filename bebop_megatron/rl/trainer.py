@@ -41,7 +41,8 @@ from bebop_megatron.parallel import initialize_distributed
 from bebop_megatron.rl.batch import PreparedBatch, prepare_batch
 from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
 from bebop_megatron.rl.grpo import policy_loss, tis_weights
-from bebop_megatron.rl.policy_forward import RLForward, RLMicroBatch
+from bebop_megatron.rl.policy_forward import RLForward
+from bebop_megatron.rl.types import RLMicroBatch
 
 log = logging.getLogger("bebop.rl")
 
