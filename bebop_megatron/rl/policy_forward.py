@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from bebop_megatron.config import MTPStrategy
 from bebop_megatron.mtp.losses import _pad_mask, vocab_parallel_entropy, vocab_parallel_softmax
 from bebop_megatron.rl.grpo import policy_loss
 from bebop_megatron.rl.mtp_objectives import dca_loss, topk_residual_alpha
@@ -35,14 +36,14 @@ from bebop_megatron.rl.types import RLMicroBatch  # noqa: F401 (also importable 
 
 
 class RLForward:
-    def __init__(self, strategy: str, temperature: float = 1.0, online_loss: str = "e2e_tv",
+    def __init__(self, strategy: MTPStrategy | str, temperature: float = 1.0, online_loss: str = "e2e_tv",
                  occ_lambda: float = 1.0, clip_low: float = 0.2, clip_high: float = 0.28):
-        self.strategy = strategy
+        self.strategy = MTPStrategy.parse(strategy)
         self.temperature = temperature
         self.online_loss = online_loss
         self.occ_lambda, self.clip_low, self.clip_high = occ_lambda, clip_low, clip_high
         self.batch: Optional[RLMicroBatch] = None  # set by the forward step before each call
-        self.mtp_enabled = strategy in ("online", "growmtp", "occ")
+        self.mtp_enabled = self.strategy.trains_mtp
         self.occ_coef: Optional[float] = None  # coefficient of earlier batches (first mini-batch fallback)
         self.occ_max = 10.0
         self.occ_moved = False  # set by the trainer: the policy has moved since the old log-probs
@@ -83,17 +84,17 @@ class RLForward:
         old_mtp = None
         if self.mtp_enabled and model.training and self.batch is not None:
             mtp_hidden = model.run_mtp_block(hidden_states, input_ids, position_ids, **mtp_kwargs)
-            if self.strategy == "online":
+            if self.strategy is MTPStrategy.ONLINE:
                 mtp_loss = self._online(model, logits, mtp_hidden, labels, loss_mask, position_ids)
-            elif self.strategy == "growmtp":
+            elif self.strategy is MTPStrategy.GROWMTP:
                 mtp_loss = self._growmtp(model, mtp_hidden)
-        elif self.strategy == "occ" and self.collect_old_mtp and not model.training:
+        elif self.strategy is MTPStrategy.OCC and self.collect_old_mtp and not model.training:
             with torch.no_grad():
                 mtp_hidden = model.run_mtp_block(hidden_states, input_ids, position_ids, **mtp_kwargs)
                 old_mtp = self._mtp_depth1_logp(model, mtp_hidden, labels)
         # megatron's vocab-parallel CE edits the logits in place: everything reading them comes first
         logp = -model.compute_language_model_loss(labels, logits)  # [b, s]
-        if self.strategy == "occ" and model.training and self.batch is not None:
+        if self.strategy is MTPStrategy.OCC and model.training and self.batch is not None:
             mtp_loss = self._occ(model, mtp_hidden, labels, logp)
         chans = [logp, entropy.to(logp.dtype)] + ([old_mtp.to(logp.dtype)] if old_mtp is not None else [])
         out = torch.stack(chans, dim=-1)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, load_model_weights, save_checkpoint
-from bebop_megatron.config import Config
+from bebop_megatron.config import Config, ConfigError, MTPStrategy
 from bebop_megatron.data import load_tokenizer
 from bebop_megatron.model import build_model
 from bebop_megatron.parallel import initialize_distributed
@@ -76,10 +76,10 @@ def resolve_init(path: str) -> Path:
                             f"or a checkpoint folder)")
 
 
-def set_trainable(model, strategy: str) -> None:
+def set_trainable(model, strategy: MTPStrategy | str) -> None:
     """The policy (trunk, embedding, output layer) always trains; the MTP heads only for the
     strategies that update them."""
-    mtp_trains = strategy in ("online", "growmtp", "occ")
+    mtp_trains = MTPStrategy.parse(strategy).trains_mtp
     for name, p in model.named_parameters():
         p.requires_grad_(mtp_trains if name.startswith("mtp.") else True)
 
@@ -190,18 +190,17 @@ class RLTrainer:
         self.tok = load_tokenizer(cfg.data.tokenizer)
         self.gamma = cfg.model.mtp_num_layers
         # `none`: plain GRPO without MTP anywhere (the baseline), so no speculative rollouts either
-        self.speculative = r.speculative and r.mtp_strategy != "none"
-        self.record_topk = r.growmtp_topk if r.mtp_strategy == "growmtp" else 0
-        if r.mtp_strategy == "growmtp" and not r.speculative:
-            from bebop_megatron.config import ConfigError
-
-            raise ConfigError("rl.mtp_strategy=growmtp learns from the verifier: it needs rl.speculative=true")
+        strategy = self.strategy = r.strategy
+        self.speculative = r.speculative and strategy.speculates
+        self.record_topk = r.growmtp_topk if strategy.records_topk else 0
+        if strategy.needs_speculation and not r.speculative:
+            raise ConfigError(f"rl.mtp_strategy={strategy} learns from the verifier: it needs rl.speculative=true")
 
         # ---- policy
-        cfg.mtp.detach_trunk = r.mtp_strategy != "occ"
+        cfg.mtp.detach_trunk = strategy.detaches_trunk
         self.model = build_model(cfg, self.platform)
-        set_trainable(self.model, r.mtp_strategy)
-        self.hook = RLForward(r.mtp_strategy, r.temperature, r.online_mtp_loss,
+        set_trainable(self.model, strategy)
+        self.hook = RLForward(strategy, r.temperature, r.online_mtp_loss,
                               r.occ_lambda, r.clip_low, r.clip_high)
         self.hook.occ_max = r.occ_max
         self.model.postprocess_hook = self.hook
@@ -258,7 +257,7 @@ class RLTrainer:
             ref.load_state_dict(self.model.state_dict(), strict=False)
         for p_ in ref.parameters():
             p_.requires_grad_(False)
-        ref.postprocess_hook = RLForward("none", self.cfg.rl.temperature)
+        ref.postprocess_hook = RLForward(MTPStrategy.NONE, self.cfg.rl.temperature)
         return ref.eval()
 
     def _rng_state(self) -> dict:
@@ -384,7 +383,7 @@ class RLTrainer:
         lo, hi = self._local_range(N)
         n_mb, epochs = max(r.num_minibatches, 1), max(r.ppo_epochs, 1)
         multi = n_mb * epochs > 1
-        occ = r.mtp_strategy == "occ"
+        occ = self.strategy is MTPStrategy.OCC
         metrics: dict = {}
         extra_keep, old_logp, old_mtp, ref_logp = None, None, None, None
         if self.entrocraft is not None or multi:
@@ -450,7 +449,7 @@ class RLTrainer:
                 dist.all_reduce(e, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
             v = v.cpu().tolist()
             stats = v[:len(STAT_NAMES)] + e.cpu().tolist() + v[len(STAT_NAMES):]
-            if r.mtp_strategy == "online":
+            if self.strategy is MTPStrategy.ONLINE:
                 mtp_m = self.model.mtp_metrics.reduce(self.ps.get_data_parallel_group())
             hook_m = self.hook.pop_stats()
             occ_sums = torch.tensor(self.hook.occ_sums, dtype=torch.float64, device=_device())
