@@ -115,12 +115,14 @@ def policy_buckets_on_rank0(model, cfg: Config, bucket_bytes: int) -> Optional[l
 # --------------------------------------------------------------------------- schedule
 
 
-def _forward_step(hook: RLForward, loss_fn, data_iterator, model):
+def _forward_step(hook, loss_fn, data_iterator, model):
+    """One micro-batch through ``model`` with ``hook`` (an :class:`RLForward`, or a partial of one)
+    bound to it as the model's ``postprocess_fn``."""
     mb: RLMicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     mb = mb.to(device)
-    hook.batch = mb
-    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask)
+    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask,
+                postprocess_fn=partial(hook, batch=mb))
     return out, partial(loss_fn, mb)
 
 
@@ -163,7 +165,7 @@ STAT_NAMES = ("pg_loss", "tokens", "clip_frac", "approx_kl", "kl_ref", "entropy"
               "ratio_mean")
 
 
-def run_schedule(model_chunks, hook: RLForward, microbatches: list[RLMicroBatch], seq_length: int, loss_fn,
+def run_schedule(model_chunks, hook, microbatches: list[RLMicroBatch], seq_length: int, loss_fn,
                  forward_only: bool) -> list[dict]:
     from bebop_megatron.training.step import run_schedule as schedule
 
@@ -202,8 +204,7 @@ class RLTrainer:
         set_trainable(self.model, strategy)
         self.hook = RLForward(strategy, r.temperature, r.online_mtp_loss,
                               r.occ_lambda, r.clip_low, r.clip_high)
-        self.hook.occ_max = r.occ_max
-        self.model.postprocess_hook = self.hook
+        self.hook.occ_max = r.occ_max  # the policy's postprocess_fn (passed to each forward)
         from bebop_megatron.training.optim import build_optimizer
 
         self.ddp, self.opt, self.sched = build_optimizer(cfg, self.model, r.lr, max(r.steps, 1),
@@ -229,6 +230,7 @@ class RLTrainer:
             else:
                 self._log("warning: rl.init is not set: RL starts from a randomly initialised policy")
         self.ref = self._build_reference() if r.kl_coef > 0 else None
+        self.ref_hook = RLForward(MTPStrategy.NONE, r.temperature) if self.ref is not None else None
         self.entrocraft = None
         if r.entropy_control == "entrocraft":
             self.entrocraft = EntrocraftController(EntrocraftConfig(
@@ -257,7 +259,6 @@ class RLTrainer:
             ref.load_state_dict(self.model.state_dict(), strict=False)
         for p_ in ref.parameters():
             p_.requires_grad_(False)
-        ref.postprocess_hook = RLForward(MTPStrategy.NONE, self.cfg.rl.temperature)
         return ref.eval()
 
     def _rng_state(self) -> dict:
@@ -333,19 +334,16 @@ class RLTrainer:
         per = n // self.dp_size
         return self.dp_rank * per, (self.dp_rank + 1) * per
 
-    def _forward_only(self, model, prep: PreparedBatch, lo: int, hi: int, keep=None, mtp: bool = False):
-        """(logp [N, S], entropy [N, S], depth-1 MTP logp [N, S] or None) for rows lo..hi on the last
-        stage (zeros elsewhere)."""
+    def _forward_only(self, model, hook: RLForward, prep: PreparedBatch, lo: int, hi: int, keep=None,
+                      mtp: bool = False):
+        """(logp [N, S], entropy [N, S], depth-1 MTP logp [N, S] or None) of ``model`` with its
+        ``hook`` for rows lo..hi on the last stage (zeros elsewhere)."""
         mbs = prep.microbatches(lo, hi, self.cfg.parallel.micro_batch_size, keep)
-        hook = model.postprocess_hook
         was_training = model.training
         model.eval()
-        hook.collect_old_mtp = mtp
-        try:
-            with torch.no_grad():
-                outs = run_schedule([model], hook, mbs, self.cfg.data.seq_length, _collect_loss, forward_only=True)
-        finally:
-            hook.collect_old_mtp = False
+        with torch.no_grad():
+            outs = run_schedule([model], partial(hook, collect_old_mtp=mtp), mbs, self.cfg.data.seq_length,
+                                _collect_loss, forward_only=True)
         if was_training:
             model.train()
         N, S = prep.tokens.shape
@@ -387,7 +385,7 @@ class RLTrainer:
         metrics: dict = {}
         extra_keep, old_logp, old_mtp, ref_logp = None, None, None, None
         if self.entrocraft is not None or multi:
-            logp0, ent, old_mtp = self._forward_only(self.model, prep, lo, hi, mtp=occ and multi)
+            logp0, ent, old_mtp = self._forward_only(self.model, self.hook, prep, lo, hi, mtp=occ and multi)
             if multi:
                 old_logp = logp0
             if self.entrocraft is not None:
@@ -397,7 +395,7 @@ class RLTrainer:
                 metrics.update({"entrocraft/entropy_before": h, "entrocraft/low": low, "entrocraft/high": high,
                                 "entrocraft/regime": {"low": -1, "band": 0, "high": 1}[regime]})
         if self.ref is not None:
-            ref_logp, _, _ = self._forward_only(self.ref, prep, lo, hi)
+            ref_logp, _, _ = self._forward_only(self.ref, self.ref_hook, prep, lo, hi)
         keep = prep.keep if extra_keep is None else prep.keep & extra_keep
         tok_rows = (prep.loss_mask * keep.unsqueeze(-1).to(prep.loss_mask.dtype)).sum(-1)  # [N]
         per_rank, m = N // self.dp_size, (N // self.dp_size) // n_mb
