@@ -70,15 +70,24 @@ def _rl(args) -> int:
         if s.get("accept_rate_last_steps") is not None:
             print(f"  draft acceptance: {s.get('accept_rate_first_step') or 0:.3f} -> {s['accept_rate_last_steps']:.3f}; "
                   f"tokens per verify step {s['tokens_per_verify_last_steps']:.2f}")
-        fit = s.get("acceptance_vs_entropy_fit")
+        tr = s.get("train_reward_trend")
+        if tr and tr.get("slope") is not None:
+            print(f"  training reward trend: {tr['slope']:+.4f} ± {tr['se']:.4f} per step (OLS slope ± SE, n={tr['n']})")
+        fit, part = s.get("acceptance_vs_entropy_fit"), s.get("acceptance_vs_entropy_partial")
         if fit and fit.get("slope") is not None:
             print(f"  acceptance vs entropy: slope {fit['slope']:.3f}, r² {fit['r2']:.2f} "
                   f"({s['acceptance_vs_entropy_plot']})")
+        if part and part.get("slope_entropy") is not None:
+            print(f"  ... at fixed response length (partial fit): {part['slope_entropy']:.3f} ± "
+                  f"{part['se_entropy']:.3f} per nat")
+        if s.get("curves_plot"):
+            print(f"  curves: {s['curves_plot']} (reward, entropy, acceptance, tokens per verify)")
         b = s.get("speculation_benchmark")
         if b:
             print(f"  rollout speed (batch {b['batch']}): {b['no_spec']['tokens_per_s']:.0f} tok/s without speculation, "
                   f"{b['mtp_spec']['tokens_per_s']:.0f} tok/s with MTP speculation "
-                  f"({b['speedup']:.2f}x; {b['mtp_spec']['tokens_per_verify']:.2f} tokens per verify step)")
+                  f"({b['speedup']:.2f}x, median of {b.get('repeats', 1)} interleaved runs; "
+                  f"{b['mtp_spec']['tokens_per_verify']:.2f} tokens per verify step)")
         print(f"  tensorboard: tensorboard --logdir {cfg.rl.output_dir}/tensorboard")
         print(f"  summary:     {cfg.rl.output_dir}/summary.json")
     finally:

@@ -55,3 +55,30 @@ def test_entrocraft_selects_by_reward_relative_to_group():
     keep_low, regime = ctl.keep(0, 0.1, rewards, group_size=4)
     assert regime == "low" and keep_low.tolist() == [False, True, True, True] + [False] * 4
     assert ctl.keep(0, 0.5, rewards, group_size=4)[0].all()
+
+
+def test_speculation_benchmark_is_interleaved_medians_on_one_thread():
+    """The end-of-run rollout benchmark: >= 5 interleaved repetitions of plain and speculative
+    decoding on one torch thread (restored afterwards), medians and a median per-repetition ratio."""
+    from pathlib import Path
+
+    from bebop_megatron.config import Config
+    from bebop_megatron.data import CharTokenizer
+    from bebop_megatron.rl.report import speculation_benchmark
+    from bebop_megatron.rl.types import Prompt
+    from bebop_megatron.rl.weight_sync import rollout_model_for
+
+    cfg = Config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml",
+                      ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
+                       "rl.bench_prompts=4", "rl.max_new_tokens=6"])
+    torch.manual_seed(0)
+    m = rollout_model_for(cfg)
+    params = dict(m.named_parameters())
+    bucket = {hf: params[n].detach().clone().normal_(0, 0.2) for n, hf in m.hf_state_dict_names().items()}
+    threads = torch.get_num_threads()
+    res = speculation_benchmark(cfg, [bucket], [Prompt(text=f"{i}+{i}=", answer=str(2 * i)) for i in range(6)],
+                                CharTokenizer(), repeats=2)
+    assert torch.get_num_threads() == threads
+    assert res["repeats"] == 5 and res["batch"] == 4 and res["speedup"] > 0
+    assert res["no_spec"]["tokens_per_verify"] == 1.0 and res["mtp_spec"]["tokens_per_verify"] >= 1.0
+    assert 0.0 <= res["mtp_spec"]["accept_rate"] <= 1.0
