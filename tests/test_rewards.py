@@ -8,7 +8,9 @@ import pytest
 from bebop_megatron.rl.rewards import code_reward, extract_answer, make_tasks, math_equal, math_reward, synthetic_reward
 from bebop_megatron.rl.rewards.sandbox import SandboxLimits, run_python
 
-FAST = SandboxLimits(cpu_seconds=2, wall_seconds=4, memory_mb=256)
+FAST = SandboxLimits(cpu_seconds=2, wall_seconds=4, memory_mb=256)  # hostile programs: hit the limits quickly
+# correct programs must pass however loaded the machine is (a 4 s wall limit failed under a busy suite)
+ROOMY = SandboxLimits(cpu_seconds=20, wall_seconds=60, memory_mb=256)
 
 
 @pytest.mark.parametrize("completion,gold", [
@@ -55,10 +57,10 @@ TESTS = [{"input": "3", "output": "6"}, {"input": "10", "output": "20"}]
 
 
 def test_code_reward_scores_correct_and_partial():
-    assert code_reward(SOLUTION, TESTS, FAST) == 1.0
-    assert code_reward("```python\nn=int(input())\nprint(6 if n == 3 else 0)\n```", TESTS, FAST) == 0.5
-    assert code_reward("def f(x): return x + 1", "assert f(1) == 2", FAST) == 1.0
-    assert code_reward("def f(x): return x", "assert f(1) == 2", FAST) == 0.0
+    assert code_reward(SOLUTION, TESTS, ROOMY) == 1.0
+    assert code_reward("```python\nn=int(input())\nprint(6 if n == 3 else 0)\n```", TESTS, ROOMY) == 0.5
+    assert code_reward("def f(x): return x + 1", "assert f(1) == 2", ROOMY) == 1.0
+    assert code_reward("def f(x): return x", "assert f(1) == 2", ROOMY) == 0.0
 
 
 @pytest.mark.parametrize("name,code", [
@@ -90,7 +92,7 @@ def test_writes_outside_the_sandbox_are_refused():
         assert not os.path.exists(target)
     assert os.path.exists("/etc/hostname")
     # inside its own folder it may write
-    assert run_python("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())", limits=FAST).stdout == "ok\n"
+    assert run_python("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())", limits=ROOMY).stdout == "ok\n"
 
 
 def test_no_process_outlives_the_sandbox():
