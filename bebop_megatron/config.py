@@ -9,6 +9,7 @@ otherwise fail on deep inside a run (head/vocab/layer divisibility by TP/PP, bat
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,73 @@ TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 ARCHS = ("qwen2", "qwen3", "qwen3_5")
 HYBRID_ARCHS = ("qwen3_5",)  # Gated DeltaNet + gated full attention (Qwen3.5 family)
 DTYPES = ("float32", "bfloat16", "float16")
-MTP_STRATEGIES = ("frozen", "online", "growmtp", "occ", "none")
+
+
+class MTPStrategy(str, enum.Enum):
+    """What RL does with the MTP (draft) heads: the value of ``rl.mtp_strategy``.
+
+    A ``str`` enum: members compare equal to their YAML/CLI spelling (``MTPStrategy.OCC == "occ"``),
+    so configs, ``--set rl.mtp_strategy=occ`` and saved JSON keep their plain strings; code asks
+    the member's properties instead of comparing names.
+    """
+
+    def __new__(cls, value: str, doc: str):
+        obj = str.__new__(cls, value)
+        obj._value_ = value
+        obj.__doc__ = doc
+        return obj
+
+    FROZEN = ("frozen", "The Bebop recipe: the heads are trained before RL (`bebop train-mtp`) and stay frozen; "
+                        "rollouts speculate with them.")
+    ONLINE = ("online", "Each RL step also trains the heads with the pre-RL MTP objective (rl.online_mtp_loss) on "
+                        "the rollout tokens, on the detached trunk.")
+    GROWMTP = ("growmtp", "A detached draft head trained from the verifier's records (top-k target distribution "
+                          "at each verify step, gated at the first rejection); needs rl.speculative.")
+    OCC = ("occ", "Optimal Coefficient Calibration: a joint MTP policy loss with an online-calibrated coefficient; "
+                  "the trunk is not detached, so the policy gradient and the MTP loss both move it.")
+    NONE = ("none", "No MTP anywhere: plain GRPO without speculative rollouts (the baseline).")
+
+    def __str__(self) -> str:  # the config spelling, in messages and f-strings
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value) -> "MTPStrategy":
+        """``value`` (a member or its spelling) as a member; a clear ConfigError otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"rl.mtp_strategy must be one of {MTP_STRATEGIES}, got {value!r}") from None
+
+    @property
+    def trains_mtp(self) -> bool:
+        """The MTP heads get gradients (and are in the optimizer's trainable set) during RL."""
+        return self in (MTPStrategy.ONLINE, MTPStrategy.GROWMTP, MTPStrategy.OCC)
+
+    @property
+    def detaches_trunk(self) -> bool:
+        """The MTP layers read the trunk's hidden states detached (MTP losses do not move the trunk)."""
+        return self is not MTPStrategy.OCC
+
+    @property
+    def speculates(self) -> bool:
+        """Rollouts may use MTP speculative decoding (when rl.speculative)."""
+        return self is not MTPStrategy.NONE
+
+    @property
+    def needs_speculation(self) -> bool:
+        """The strategy learns from speculative verification: rl.speculative must be true."""
+        return self is MTPStrategy.GROWMTP
+
+    @property
+    def records_topk(self) -> bool:
+        """Rollout servers return the verifier's top-k records (rl.growmtp_topk) with each sample."""
+        return self is MTPStrategy.GROWMTP
+
+
+MTP_STRATEGIES = tuple(s.value for s in MTPStrategy)
 REWARDS = ("synthetic", "synthetic_partial", "math", "code")
 
 
@@ -214,7 +281,7 @@ class RLConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     overlong_filter: bool = False  # no loss on samples cut at max_new_tokens
     # ---- MTP heads during RL
-    mtp_strategy: str = "frozen"  # frozen | online | growmtp | occ | none
+    mtp_strategy: str = "frozen"  # frozen | online | growmtp | occ | none: see MTPStrategy (and .strategy)
     online_mtp_loss: str = "e2e_tv"  # objective for mtp_strategy=online
     growmtp_topk: int = 8  # target distribution recorded by the verifier as top-k + residual
     occ_lambda: float = 1.0
@@ -230,6 +297,11 @@ class RLConfig:
     exit_interval: int = 0  # stop (checkpointed) after this many steps in one invocation
     bench_speculation: bool = True  # end of run: rollout tokens/s with vs without speculation
     bench_prompts: int = 32
+
+    @property
+    def strategy(self) -> MTPStrategy:
+        """``mtp_strategy`` as an :class:`MTPStrategy` (ConfigError for an unknown spelling)."""
+        return MTPStrategy.parse(self.mtp_strategy)
 
 
 @dataclass
@@ -418,8 +490,10 @@ class Config:
     def _validate_rl(self, world_size: Optional[int]) -> list[str]:
         r, p = self.rl, self.parallel
         errors = []
-        if r.mtp_strategy not in MTP_STRATEGIES:
-            errors.append(f"rl.mtp_strategy must be one of {MTP_STRATEGIES}, got {r.mtp_strategy!r}")
+        try:
+            MTPStrategy.parse(r.mtp_strategy)
+        except ConfigError as e:
+            errors.append(str(e))
         if r.online_mtp_loss not in MTP_LOSSES:
             errors.append(f"rl.online_mtp_loss must be one of {MTP_LOSSES}, got {r.online_mtp_loss!r}")
         if r.reward not in REWARDS:

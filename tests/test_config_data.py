@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bebop_megatron.config import Config, ConfigError
+from bebop_megatron.config import MTP_STRATEGIES, Config, ConfigError, MTPStrategy
 from bebop_megatron.data import CharTokenizer, DataError, TokenWindows, load_jsonl_tokens, microbatches_for_step
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -105,6 +105,24 @@ def test_bad_cluster_configs_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         cfg = Config.load(CONFIGS[0].parent / "qwen3_8b.yaml", overrides)
         cfg.validate(world_size=cfg.launch.trainer_world_size)
+
+
+def test_mtp_strategy_enum_properties():
+    S = MTPStrategy
+    assert MTP_STRATEGIES == ("frozen", "online", "growmtp", "occ", "none")
+    assert {s for s in S if s.trains_mtp} == {S.ONLINE, S.GROWMTP, S.OCC}
+    assert {s for s in S if not s.detaches_trunk} == {S.OCC}
+    assert {s for s in S if s.needs_speculation} == {S.GROWMTP}
+    assert {s for s in S if not s.speculates} == {S.NONE}
+    assert {s for s in S if s.records_topk} == {S.GROWMTP}
+    assert all(s.__doc__ and s.__doc__ != S.__doc__ for s in S)  # each member says what it means
+    # a str enum: the YAML/CLI spelling round-trips and compares equal
+    assert S("occ") is S.OCC and S.OCC == "occ" and f"{S.GROWMTP}" == "growmtp" and json.dumps(S.NONE) == '"none"'
+    cfg = Config.load(CONFIGS[0].parent / "tiny_cpu.yaml", ["rl.mtp_strategy=occ"])
+    assert cfg.rl.strategy is S.OCC and cfg.rl.mtp_strategy == "occ"
+    cfg.rl.mtp_strategy = "greedy"
+    with pytest.raises(ConfigError, match=r"rl.mtp_strategy must be one of \('frozen', 'online', 'growmtp'"):
+        cfg.rl.strategy
 
 
 def test_config_base_inheritance(tmp_path):

@@ -11,7 +11,8 @@ import torch
 
 from bebop_megatron.rl.batch import prepare_batch
 from bebop_megatron.rl.grpo import group_advantages
-from bebop_megatron.rl.rollout import PromptSource, Prompt, Sample
+from bebop_megatron.rl.rollout import PromptSource
+from bebop_megatron.rl.types import Prompt, Sample
 from tests.distributed import run_distributed
 
 
@@ -54,8 +55,9 @@ def fake_samples(seed: int, n_prompts: int = 2, group: int = 4, gamma: int = 2, 
                 probs = [[0.5 / topk] * topk for _ in range(gamma)]
                 recs.append({"pos": pos, "accepted": acc, "topk_ids": ids, "topk_probs": probs})
                 pos += acc + 1
-            out.append(Sample(p, prompt, resp, [-rng.uniform(0.5, 3.0) for _ in resp], float((p + g) % 2),
-                              False, 0, spec_records=recs, verify_ct=len(recs)))
+            out.append(Sample(prompt_index=p, prompt_ids=prompt, response_ids=resp,
+                              rollout_logprobs=[-rng.uniform(0.5, 3.0) for _ in resp], reward=float((p + g) % 2),
+                              truncated=False, weight_version=0, spec_records=recs, verify_ct=len(recs)))
     return out
 
 
@@ -91,7 +93,7 @@ def test_dynamic_sampling_and_overlong_filter():
 
 
 def test_prompt_order_is_a_function_of_seed_and_step():
-    prompts = [Prompt(str(i), str(i)) for i in range(10)]
+    prompts = [Prompt(text=str(i), answer=str(i)) for i in range(10)]
     a, b = PromptSource(prompts, 3), PromptSource(prompts, 3)
     seq = [a.indices_for_step(s, 4) for s in range(6)]
     assert seq == [b.indices_for_step(s, 4) for s in range(6)]
@@ -184,3 +186,40 @@ def test_kl_reference_and_entrocraft_in_the_trainer():
     assert m2["loss/kl_ref"] > 0.0  # one update later the policy has moved away from it
     assert m1["entrocraft/regime"] == -1  # below the band: only negative-advantage samples are kept
     assert 0 < m1["data/kept_samples"] < 1
+
+
+def _postprocess_seam_worker(rank, world):
+    from bebop_megatron.model import build_model
+    from bebop_megatron.parallel import initialize_distributed
+
+    cfg = rl_tiny_config("frozen")
+    model = build_model(cfg, initialize_distributed(1, 1, seed=0, force_cpu=True))
+    tokens = torch.randint(0, 58, (2, 16))
+    pos = torch.arange(16).expand(2, 16).contiguous()
+    seen = []
+
+    def fn(mdl, hidden, input_ids, position_ids, labels, loss_mask, mtp_kwargs):
+        seen.append((mdl is model, tuple(hidden.shape), bool(torch.equal(labels, tokens))))
+        return torch.full((2, 16, 2), 7.0)
+
+    out = model(tokens, pos, None, labels=tokens, loss_mask=torch.ones(2, 16), postprocess_fn=fn)
+    fn_only_for_its_call = model._postprocess_fn is None
+    plain = model(tokens, pos, None, labels=tokens, loss_mask=torch.ones(2, 16))  # megatron's own loss path
+
+    def boom(*a):
+        raise KeyError("boom")
+
+    try:
+        model(tokens, pos, None, labels=tokens, postprocess_fn=boom)
+    except KeyError:
+        pass
+    return (seen, bool((out == 7.0).all()), fn_only_for_its_call, model._postprocess_fn is None,
+            tuple(plain.shape))
+
+
+def test_postprocess_fn_is_the_one_loss_seam():
+    """The RL loss enters through the forward's ``postprocess_fn`` argument, for that call only."""
+    seen, replaced, scoped, scoped_after_error, plain_shape = run_distributed(_postprocess_seam_worker, 1)[0]
+    assert seen == [(True, (16, 2, 32), True)] and replaced
+    assert scoped and scoped_after_error
+    assert plain_shape == (2, 16)  # without it: megatron's per-token LM loss

@@ -6,7 +6,8 @@ import time
 
 from bebop_megatron.config import Config
 from bebop_megatron.data import CharTokenizer
-from bebop_megatron.rl.rollout import Prompt, RolloutManager
+from bebop_megatron.rl.rollout import RolloutManager
+from bebop_megatron.rl.types import Prompt
 from bebop_megatron.rollout.local_servers import start_local_servers
 from tests.tiny_models import make_hf_checkpoint
 
@@ -18,7 +19,7 @@ def test_rollout_server_killed_mid_batch_loses_no_sample(tmp_path):
     cfg = Config()
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 8, 4, 48
     tok = CharTokenizer()
-    prompts = [Prompt(f"{i}+{i}=", str(2 * i)) for i in range(16)]
+    prompts = [Prompt(text=f"{i}+{i}=", answer=str(2 * i)) for i in range(16)]
     mgr = RolloutManager([s.url for s in servers], cfg, tok, prompts)
     try:
         # wait until both servers are busy with this batch, then kill one of them
@@ -52,7 +53,7 @@ def test_weight_sync_while_generating_keeps_versions_atomic(tmp_path):
                                                        "2", "--weight-version", "0"], log_dir=tmp_path / "logs")
     cfg = Config()
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 4, 4, 64
-    mgr = RolloutManager([s.url for s in servers], cfg, CharTokenizer(), [Prompt("1+1=", "2")] * 8)
+    mgr = RolloutManager([s.url for s in servers], cfg, CharTokenizer(), [Prompt(text="1+1=", answer="2")] * 8)
     try:
         weights = {}
         for f in sorted((tmp_path / "hf").glob("*.safetensors")):

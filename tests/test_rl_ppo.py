@@ -10,7 +10,7 @@ import torch
 
 from bebop_megatron.rl.grpo import policy_loss
 from bebop_megatron.rl.mtp_objectives import occ_coefficient
-from bebop_megatron.rl.rollout import Sample
+from bebop_megatron.rl.types import Sample
 from tests.distributed import run_distributed
 from tests.test_rl import fake_samples, rl_tiny_config
 
@@ -122,8 +122,7 @@ def _sample_rollouts(model, tok_prompts, group: int, new_tokens: int, seed: int,
     """Rollouts drawn from the policy itself (T = 1), with the policy's own log-probs as behaviour."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    model.eval()
-    hook, model.postprocess_hook = model.postprocess_hook, None
+    model.eval()  # no labels: plain logits (the RL postprocess_fn is passed only by the trainer's forward step)
     try:
         with torch.no_grad():
             for pi, prompt in enumerate(tok_prompts):
@@ -137,9 +136,9 @@ def _sample_rollouts(model, tok_prompts, group: int, new_tokens: int, seed: int,
                         ids.append(t)
                         lps.append(float(lp[t]))
                     resp = ids[len(prompt):]
-                    out.append(Sample(pi, list(prompt), resp, lps, reward_fn(resp), False, 0))
+                    out.append(Sample(prompt_index=pi, prompt_ids=list(prompt), response_ids=resp, rollout_logprobs=lps,
+                                      reward=reward_fn(resp), truncated=False, weight_version=0))
     finally:
-        model.postprocess_hook = hook
         model.train()
     return out
 
@@ -181,11 +180,18 @@ def _online_temp_worker(rank, world, temperature):
     cfg = rl_tiny_config("online")
     cfg.rl.temperature = temperature
     tr = RLTrainer(cfg)
-    model, real = tr.model, tr.model.postprocess_hook
+    model, real = tr.model, tr.hook
     got, ref = [], []
     T = temperature
 
-    def spy(mdl, hs, ids, pos, labels, lm, kw):
+    class Spy:  # the trainer's hook, observed: the forward step binds each micro-batch to it
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, *args, **kw):
+            return spy(*args, **kw)
+
+    def spy(mdl, hs, ids, pos, labels, lm, kw, **bound):
         if mdl.training:
             with torch.no_grad():
                 logits, _ = mdl.output_layer(hs, weight=mdl._output_weight())
@@ -193,11 +199,11 @@ def _online_temp_worker(rank, world, temperature):
                 r = mtp_objective(logits.clone() / T, [lazy[i] / T for i in range(len(lazy))], "e2e_tv", lm,
                                   labels=labels, true_vocab_size=mdl.true_vocab_size)
                 ref.append(float(r.loss))
-        return real(mdl, hs, ids, pos, labels, lm, kw)
+        return real(mdl, hs, ids, pos, labels, lm, kw, **bound)
 
     update = model.mtp_metrics.update
     model.mtp_metrics.update = lambda out: (got.append(float(out.loss)), update(out))[1]
-    model.postprocess_hook = spy  # the schedule's forward step sets .batch on tr.hook (the real one)
+    tr.hook = Spy()
     tr.train_step(fake_samples(7))
     tr.close()
     return got, ref

@@ -152,14 +152,13 @@ def teacher_forced(model, ev: EvalSet, temperatures: list[float]) -> dict[float,
 
     was_training = model.training
     model.eval()
-    hook, model.postprocess_hook = model.postprocess_hook, capture
     try:
         b, s = ev.tokens.shape
         pos = torch.arange(s).expand(b, s).contiguous()
         dev = next(model.parameters()).device
-        model(ev.tokens.to(dev), pos.to(dev), None, labels=ev.labels.to(dev), loss_mask=ev.loss_mask.to(dev))
+        model(ev.tokens.to(dev), pos.to(dev), None, labels=ev.labels.to(dev), loss_mask=ev.loss_mask.to(dev),
+              postprocess_fn=capture)
     finally:
-        model.postprocess_hook = hook
         model.train(was_training)
     out = {}
     for T in temperatures:

@@ -16,7 +16,7 @@ The main-head target distribution is always detached.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +71,8 @@ class BebopGPTModel(GPTModel):
         self.mtp_detach_trunk = mtp_detach_trunk
         self.true_vocab_size = true_vocab_size
         self.mtp_kl_weight = 0.0  # set by trainers for a KL warm-up
-        # RL: a callable that replaces the loss computation on the last stage (see
-        # bebop_megatron/rl/policy_forward.py); it gets the decoder output and returns the output tensor
-        self.postprocess_hook = None
+        # the ``postprocess_fn`` of the forward call in progress (see forward); None outside one
+        self._postprocess_fn: Optional[Callable] = None
         gamma = self.config.mtp_num_layers or 0
         self.mtp_metrics = MTPMetrics(gamma)
         if self.mtp_process and not self.post_process:
@@ -156,6 +155,23 @@ class BebopGPTModel(GPTModel):
         return out
 
     # -------------------------------------------------------------- postprocess
+    def forward(self, *args, postprocess_fn: Optional[Callable] = None, **kwargs):
+        """``GPTModel.forward``, plus one injected seam: ``postprocess_fn``, when given with ``labels``,
+        replaces the loss computation on the last stage for this call only (RL: a
+        :class:`bebop_megatron.rl.policy_forward.RLForward` bound to its micro-batch). It is called as
+        ``postprocess_fn(model, hidden_states, input_ids, position_ids, labels, loss_mask, mtp_kwargs)``
+        with the decoder output and returns the output tensor; earlier stages return their hidden
+        states as usual. Like megatron-core's MTP block, which takes its embedding as a callable, the
+        caller passes the computation in rather than setting it on the model: megatron's forward
+        has no parameter to carry it to ``_postprocess``, so it is held for the duration of the call."""
+        if postprocess_fn is None:
+            return super().forward(*args, **kwargs)
+        self._postprocess_fn = postprocess_fn
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._postprocess_fn = None
+
     def _postprocess(
         self,
         hidden_states,
@@ -176,14 +192,14 @@ class BebopGPTModel(GPTModel):
         extra_block_kwargs=None,
         inference_context=None,
     ):
-        if self.postprocess_hook is not None and labels is not None and inference_context is None:
+        if self._postprocess_fn is not None and labels is not None and inference_context is None:
             if not self.post_process:
                 return hidden_states
             mtp_kwargs = dict(attention_mask=attention_mask, inference_params=inference_params,
                               rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                               rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
                               sequence_len_offset=sequence_len_offset, **(extra_block_kwargs or {}))
-            return self.postprocess_hook(self, hidden_states, input_ids, position_ids, labels, loss_mask, mtp_kwargs)
+            return self._postprocess_fn(self, hidden_states, input_ids, position_ids, labels, loss_mask, mtp_kwargs)
         if inference_context is not None or not self.config.mtp_num_layers or labels is None:
             # Inference / logits-only forward: the main head alone (MTP drafting is the
             # rollout engine's job, which runs the MTP layers with its own KV cache).

@@ -15,11 +15,10 @@ import torch
 from torch import Tensor
 
 from bebop_megatron.rl.grpo import dynamic_sampling_keep, group_advantages, overlong_keep
-from bebop_megatron.rl.policy_forward import RLMicroBatch
-from bebop_megatron.rl.rollout import Sample
+from bebop_megatron.rl.types import RLMicroBatch, Sample
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PreparedBatch:
     rewards: Tensor  # [N]
     advantages: Tensor  # [N]
@@ -99,4 +98,5 @@ def prepare_batch(samples: list[Sample], group_size: int, seq_length: int, norma
                 rec_pos[i, j], rec_acc[i, j] = r["pos"], r["accepted"]
                 rec_ids[i, j, :, :k], rec_probs[i, j, :, :k] = ids[:gamma, :k], probs[:gamma, :k]
         rec = {"rec_pos": rec_pos, "rec_acc": rec_acc, "rec_ids": rec_ids, "rec_probs": rec_probs}
-    return PreparedBatch(rewards, adv, keep, tokens, labels, mask, pos, rlogp, rec)
+    return PreparedBatch(rewards=rewards, advantages=adv, keep=keep, tokens=tokens, labels=labels, loss_mask=mask,
+                         position_ids=pos, rollout_logp=rlogp, rec=rec)

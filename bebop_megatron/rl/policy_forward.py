@@ -1,4 +1,4 @@
-"""What the GRPO step computes on the last pipeline stage, as a ``BebopGPTModel.postprocess_hook``.
+"""What the GRPO step computes on the last pipeline stage: the ``postprocess_fn`` of ``BebopGPTModel.forward``.
 
 For one micro-batch the hook returns ``[b, s, 2]``: the policy's per-token log-probability of the
 label (``-`` megatron's vocab-parallel CE, logits divided by the sampling temperature so that it
@@ -23,53 +23,30 @@ megatron-core injects its MTP loss:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from bebop_megatron.config import MTPStrategy
 from bebop_megatron.mtp.losses import _pad_mask, vocab_parallel_entropy, vocab_parallel_softmax
 from bebop_megatron.rl.grpo import policy_loss
 from bebop_megatron.rl.mtp_objectives import dca_loss, topk_residual_alpha
-
-
-@dataclass
-class RLMicroBatch:
-    """One micro-batch of rollout samples, [b, s] tensors aligned to label positions."""
-
-    tokens: Tensor
-    labels: Tensor
-    loss_mask: Tensor  # response tokens of kept samples
-    position_ids: Tensor
-    advantages: Tensor  # [b]
-    rollout_logp: Tensor
-    old_logp: Optional[Tensor] = None  # from a forward-only pass (None: this pass's detached log-probs)
-    old_mtp_logp: Optional[Tensor] = None  # OCC: depth-1 MTP log-probs of the old policy (aligned to labels)
-    ref_logp: Optional[Tensor] = None
-    rec_pos: Optional[Tensor] = None  # [b, R] GrowMTP verify positions (-1: none)
-    rec_acc: Optional[Tensor] = None  # [b, R]
-    rec_ids: Optional[Tensor] = None  # [b, R, γ, k]
-    rec_probs: Optional[Tensor] = None  # [b, R, γ, k]
-
-    def to(self, device) -> "RLMicroBatch":
-        return RLMicroBatch(**{k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in vars(self).items()})
+from bebop_megatron.rl.types import RLMicroBatch  # noqa: F401 (also importable from here)
 
 
 class RLForward:
-    def __init__(self, strategy: str, temperature: float = 1.0, online_loss: str = "e2e_tv",
+    def __init__(self, strategy: MTPStrategy | str, temperature: float = 1.0, online_loss: str = "e2e_tv",
                  occ_lambda: float = 1.0, clip_low: float = 0.2, clip_high: float = 0.28):
-        self.strategy = strategy
+        self.strategy = MTPStrategy.parse(strategy)
         self.temperature = temperature
         self.online_loss = online_loss
         self.occ_lambda, self.clip_low, self.clip_high = occ_lambda, clip_low, clip_high
-        self.batch: Optional[RLMicroBatch] = None  # set by the forward step before each call
-        self.mtp_enabled = strategy in ("online", "growmtp", "occ")
+        self.mtp_enabled = self.strategy.trains_mtp
         self.occ_coef: Optional[float] = None  # coefficient of earlier batches (first mini-batch fallback)
         self.occ_max = 10.0
         self.occ_moved = False  # set by the trainer: the policy has moved since the old log-probs
         self.occ_sums = [0.0, 0.0, 0.0]  # Σ Δmtp·Δmain, Σ Δmtp², tokens over the current batch
-        self.collect_old_mtp = False  # forward-only pass: also return the depth-1 MTP log-probs (OCC)
         self.stats: dict[str, list[float]] = {}
 
     def _note(self, key: str, value: float) -> None:
@@ -91,7 +68,11 @@ class RLForward:
         self.stats = {}
         return out
 
-    def __call__(self, model, hidden_states, input_ids, position_ids, labels, loss_mask, mtp_kwargs) -> Tensor:
+    def __call__(self, model, hidden_states, input_ids, position_ids, labels, loss_mask, mtp_kwargs, *,
+                 batch: Optional[RLMicroBatch] = None, collect_old_mtp: bool = False) -> Tensor:
+        """``batch``: the micro-batch of this forward (the MTP strategy's loss needs it; None: no MTP
+        loss); ``collect_old_mtp``: a forward-only pass that also returns the depth-1 MTP log-probs (OCC).
+        Bind both with ``functools.partial`` and pass the result as ``model(..., postprocess_fn=...)``."""
         logits, _ = model.output_layer(hidden_states, weight=model._output_weight())  # [s, b, V/TP]
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -103,20 +84,20 @@ class RLForward:
             del probs
         mtp_loss = None
         old_mtp = None
-        if self.mtp_enabled and model.training and self.batch is not None:
+        if self.mtp_enabled and model.training and batch is not None:
             mtp_hidden = model.run_mtp_block(hidden_states, input_ids, position_ids, **mtp_kwargs)
-            if self.strategy == "online":
+            if self.strategy is MTPStrategy.ONLINE:
                 mtp_loss = self._online(model, logits, mtp_hidden, labels, loss_mask, position_ids)
-            elif self.strategy == "growmtp":
-                mtp_loss = self._growmtp(model, mtp_hidden)
-        elif self.strategy == "occ" and self.collect_old_mtp and not model.training:
+            elif self.strategy is MTPStrategy.GROWMTP:
+                mtp_loss = self._growmtp(model, mtp_hidden, batch)
+        elif self.strategy is MTPStrategy.OCC and collect_old_mtp and not model.training:
             with torch.no_grad():
                 mtp_hidden = model.run_mtp_block(hidden_states, input_ids, position_ids, **mtp_kwargs)
                 old_mtp = self._mtp_depth1_logp(model, mtp_hidden, labels)
         # megatron's vocab-parallel CE edits the logits in place: everything reading them comes first
         logp = -model.compute_language_model_loss(labels, logits)  # [b, s]
-        if self.strategy == "occ" and model.training and self.batch is not None:
-            mtp_loss = self._occ(model, mtp_hidden, labels, logp)
+        if self.strategy is MTPStrategy.OCC and model.training and batch is not None:
+            mtp_loss = self._occ(model, mtp_hidden, labels, logp, batch)
         chans = [logp, entropy.to(logp.dtype)] + ([old_mtp.to(logp.dtype)] if old_mtp is not None else [])
         out = torch.stack(chans, dim=-1)
         if mtp_loss is not None:
@@ -126,10 +107,9 @@ class RLForward:
         return out
 
     # ------------------------------------------------------------------ GrowMTP
-    def _growmtp(self, model, mtp_hidden: list[Tensor]) -> Tensor:
+    def _growmtp(self, model, mtp_hidden: list[Tensor], b: RLMicroBatch) -> Tensor:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        b = self.batch
         zero = sum(h.sum() for h in mtp_hidden) * 0.0  # keeps every MTP parameter in the graph
         valid = b.rec_pos >= 0 if b.rec_pos is not None else None
         if valid is None or not bool(valid.any()):
@@ -189,9 +169,8 @@ class RLForward:
         lp = -model.compute_language_model_loss(next_labels, l1)  # position t-1 -> label at t
         return torch.cat([torch.zeros_like(lp[:, :1]), lp[:, :-1]], dim=1)
 
-    def _occ(self, model, mtp_hidden: list[Tensor], labels: Tensor, logp_main: Tensor) -> Tensor:
+    def _occ(self, model, mtp_hidden: list[Tensor], labels: Tensor, logp_main: Tensor, b: RLMicroBatch) -> Tensor:
         """OCC: clipped policy loss on the depth-1 MTP log-probs, advantages x the calibrated c."""
-        b = self.batch
         lp_mtp = self._mtp_depth1_logp(model, mtp_hidden, labels)
         mask = b.loss_mask.clone()
         mask[:, 0] = 0

@@ -16,52 +16,15 @@ import random
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from bebop_megatron.data import DataError, iter_jsonl
+from bebop_megatron.rl.types import Prompt, RolloutBatch, Sample  # noqa: F401 (also importable from here)
 from bebop_megatron.rollout import protocol
 from bebop_megatron.rollout.bridge import RolloutBridge, RolloutError
 
 log = logging.getLogger("bebop.rl.rollout")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    answer: Any  # str (synthetic/math) or tests (code)
-
-
-@dataclass
-class Sample:
-    prompt_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    reward: float
-    truncated: bool
-    weight_version: int
-    text: str = ""
-    verify_ct: int = 0
-    accepted: int = 0
-    proposed: int = 0
-    accepted_per_depth: list[int] = field(default_factory=list)
-    spec_records: list = field(default_factory=list)  # protocol.SpecRecord (item access like the old dicts)
-    reached_per_depth: list[int] = field(default_factory=list)  # drafts at depth k that could be emitted
-
-
-@dataclass
-class RolloutBatch:
-    step: int
-    samples: list[Sample]  # prompt-major: group g holds samples [g*G, (g+1)*G)
-    prompt_indices: list[int]
-    seconds: float
-    retries: int = 0
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(s.response_ids) for s in self.samples)
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -77,7 +40,7 @@ def load_prompts(path: str | Path, reward: str) -> list[Prompt]:
     for lineno, rec in iter_jsonl(path):
         if not isinstance(rec.get("prompt"), str) or key not in rec:
             raise DataError(f"{path}:{lineno}: needs a string 'prompt' and '{key}'")
-        out.append(Prompt(rec["prompt"], rec[key]))
+        out.append(Prompt(text=rec["prompt"], answer=rec[key]))
     if not out:
         raise DataError(f"{path}: no prompts")
     return out
@@ -110,8 +73,9 @@ def build_prompts(cfg, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     else:
         from bebop_megatron.rl.rewards.synthetic import make_tasks
 
-        train = [Prompt(t.prompt, t.answer) for t in make_tasks(4096, cfg.train.seed + 17, r.task)]
-        evals = [Prompt(t.prompt, t.answer) for t in make_tasks(r.eval_prompts, cfg.train.seed + 29, r.task)]
+        train = [Prompt(text=t.prompt, answer=t.answer) for t in make_tasks(4096, cfg.train.seed + 17, r.task)]
+        evals = [Prompt(text=t.prompt, answer=t.answer)
+                 for t in make_tasks(r.eval_prompts, cfg.train.seed + 29, r.task)]
     longest = max(len(tokenizer.encode(p.text)) for p in train + evals)
     if longest + r.max_new_tokens + 1 > cfg.data.seq_length:
         raise DataError(f"the longest prompt ({longest} tokens) + rl.max_new_tokens ({r.max_new_tokens}) does "
@@ -200,7 +164,8 @@ class RolloutManager:
                 seed = (self.cfg.train.seed * 7919 + step * 1_000_003 + j * G + g) % (2**31)
                 jobs.append(self._one(pi, ids, prompts[pi], seed))
         samples = await asyncio.gather(*jobs)
-        return RolloutBatch(step, list(samples), indices, time.time() - t0, self.bridge.stats.retries - retries0)
+        return RolloutBatch(step=step, samples=list(samples), prompt_indices=indices, seconds=time.time() - t0,
+                            retries=self.bridge.stats.retries - retries0)
 
     async def _one(self, pi: int, ids: list[int], prompt: Prompt, seed: int) -> Sample:
         out = await self.bridge.generate(self._payload(ids, seed))
@@ -214,9 +179,11 @@ class RolloutManager:
         else:
             reward = self.reward(text, prompt.answer)
         reached = (out.get("meta_info") or {}).get("spec_reached_per_depth") or []
-        return Sample(pi, ids, resp, meta.output_logprobs, float(reward), meta.truncated, meta.version_int(), text,
-                      meta.spec.verify_ct, meta.spec.accepted, meta.spec.proposed, meta.accepted_per_depth,
-                      meta.spec_records, [int(x) for x in reached])
+        return Sample(prompt_index=pi, prompt_ids=ids, response_ids=resp, rollout_logprobs=meta.output_logprobs,
+                      reward=float(reward), truncated=meta.truncated, weight_version=meta.version_int(), text=text,
+                      verify_ct=meta.spec.verify_ct, accepted=meta.spec.accepted, proposed=meta.spec.proposed,
+                      accepted_per_depth=meta.accepted_per_depth, spec_records=meta.spec_records,
+                      reached_per_depth=[int(x) for x in reached])
 
     # --------------------------------------------------------------- weights
     def sync_tensors(self, buckets: Iterable[dict], version: int, expect_mtp: bool) -> dict:

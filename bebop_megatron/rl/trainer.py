@@ -34,14 +34,15 @@ import torch
 import torch.distributed as dist
 
 from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, load_model_weights, save_checkpoint
-from bebop_megatron.config import Config
+from bebop_megatron.config import Config, ConfigError, MTPStrategy
 from bebop_megatron.data import load_tokenizer
 from bebop_megatron.model import build_model
 from bebop_megatron.parallel import initialize_distributed
 from bebop_megatron.rl.batch import PreparedBatch, prepare_batch
 from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
 from bebop_megatron.rl.grpo import policy_loss, tis_weights
-from bebop_megatron.rl.policy_forward import RLForward, RLMicroBatch
+from bebop_megatron.rl.policy_forward import RLForward
+from bebop_megatron.rl.types import RLMicroBatch
 
 log = logging.getLogger("bebop.rl")
 
@@ -75,10 +76,10 @@ def resolve_init(path: str) -> Path:
                             f"or a checkpoint folder)")
 
 
-def set_trainable(model, strategy: str) -> None:
+def set_trainable(model, strategy: MTPStrategy | str) -> None:
     """The policy (trunk, embedding, output layer) always trains; the MTP heads only for the
     strategies that update them."""
-    mtp_trains = strategy in ("online", "growmtp", "occ")
+    mtp_trains = MTPStrategy.parse(strategy).trains_mtp
     for name, p in model.named_parameters():
         p.requires_grad_(mtp_trains if name.startswith("mtp.") else True)
 
@@ -114,12 +115,14 @@ def policy_buckets_on_rank0(model, cfg: Config, bucket_bytes: int) -> Optional[l
 # --------------------------------------------------------------------------- schedule
 
 
-def _forward_step(hook: RLForward, loss_fn, data_iterator, model):
+def _forward_step(hook, loss_fn, data_iterator, model):
+    """One micro-batch through ``model`` with ``hook`` (an :class:`RLForward`, or a partial of one)
+    bound to it as the model's ``postprocess_fn``."""
     mb: RLMicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     mb = mb.to(device)
-    hook.batch = mb
-    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask)
+    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask,
+                postprocess_fn=partial(hook, batch=mb))
     return out, partial(loss_fn, mb)
 
 
@@ -162,7 +165,7 @@ STAT_NAMES = ("pg_loss", "tokens", "clip_frac", "approx_kl", "kl_ref", "entropy"
               "ratio_mean")
 
 
-def run_schedule(model_chunks, hook: RLForward, microbatches: list[RLMicroBatch], seq_length: int, loss_fn,
+def run_schedule(model_chunks, hook, microbatches: list[RLMicroBatch], seq_length: int, loss_fn,
                  forward_only: bool) -> list[dict]:
     from bebop_megatron.training.step import run_schedule as schedule
 
@@ -189,21 +192,19 @@ class RLTrainer:
         self.tok = load_tokenizer(cfg.data.tokenizer)
         self.gamma = cfg.model.mtp_num_layers
         # `none`: plain GRPO without MTP anywhere (the baseline), so no speculative rollouts either
-        self.speculative = r.speculative and r.mtp_strategy != "none"
-        self.record_topk = r.growmtp_topk if r.mtp_strategy == "growmtp" else 0
-        if r.mtp_strategy == "growmtp" and not r.speculative:
-            from bebop_megatron.config import ConfigError
-
-            raise ConfigError("rl.mtp_strategy=growmtp learns from the verifier: it needs rl.speculative=true")
+        strategy = self.strategy = r.strategy
+        self.speculative = r.speculative and strategy.speculates
+        self.record_topk = r.growmtp_topk if strategy.records_topk else 0
+        if strategy.needs_speculation and not r.speculative:
+            raise ConfigError(f"rl.mtp_strategy={strategy} learns from the verifier: it needs rl.speculative=true")
 
         # ---- policy
-        cfg.mtp.detach_trunk = r.mtp_strategy != "occ"
+        cfg.mtp.detach_trunk = strategy.detaches_trunk
         self.model = build_model(cfg, self.platform)
-        set_trainable(self.model, r.mtp_strategy)
-        self.hook = RLForward(r.mtp_strategy, r.temperature, r.online_mtp_loss,
+        set_trainable(self.model, strategy)
+        self.hook = RLForward(strategy, r.temperature, r.online_mtp_loss,
                               r.occ_lambda, r.clip_low, r.clip_high)
-        self.hook.occ_max = r.occ_max
-        self.model.postprocess_hook = self.hook
+        self.hook.occ_max = r.occ_max  # the policy's postprocess_fn (passed to each forward)
         from bebop_megatron.training.optim import build_optimizer
 
         self.ddp, self.opt, self.sched = build_optimizer(cfg, self.model, r.lr, max(r.steps, 1),
@@ -229,6 +230,7 @@ class RLTrainer:
             else:
                 self._log("warning: rl.init is not set: RL starts from a randomly initialised policy")
         self.ref = self._build_reference() if r.kl_coef > 0 else None
+        self.ref_hook = RLForward(MTPStrategy.NONE, r.temperature) if self.ref is not None else None
         self.entrocraft = None
         if r.entropy_control == "entrocraft":
             self.entrocraft = EntrocraftController(EntrocraftConfig(
@@ -257,7 +259,6 @@ class RLTrainer:
             ref.load_state_dict(self.model.state_dict(), strict=False)
         for p_ in ref.parameters():
             p_.requires_grad_(False)
-        ref.postprocess_hook = RLForward("none", self.cfg.rl.temperature)
         return ref.eval()
 
     def _rng_state(self) -> dict:
@@ -333,19 +334,16 @@ class RLTrainer:
         per = n // self.dp_size
         return self.dp_rank * per, (self.dp_rank + 1) * per
 
-    def _forward_only(self, model, prep: PreparedBatch, lo: int, hi: int, keep=None, mtp: bool = False):
-        """(logp [N, S], entropy [N, S], depth-1 MTP logp [N, S] or None) for rows lo..hi on the last
-        stage (zeros elsewhere)."""
+    def _forward_only(self, model, hook: RLForward, prep: PreparedBatch, lo: int, hi: int, keep=None,
+                      mtp: bool = False):
+        """(logp [N, S], entropy [N, S], depth-1 MTP logp [N, S] or None) of ``model`` with its
+        ``hook`` for rows lo..hi on the last stage (zeros elsewhere)."""
         mbs = prep.microbatches(lo, hi, self.cfg.parallel.micro_batch_size, keep)
-        hook = model.postprocess_hook
         was_training = model.training
         model.eval()
-        hook.collect_old_mtp = mtp
-        try:
-            with torch.no_grad():
-                outs = run_schedule([model], hook, mbs, self.cfg.data.seq_length, _collect_loss, forward_only=True)
-        finally:
-            hook.collect_old_mtp = False
+        with torch.no_grad():
+            outs = run_schedule([model], partial(hook, collect_old_mtp=mtp), mbs, self.cfg.data.seq_length,
+                                _collect_loss, forward_only=True)
         if was_training:
             model.train()
         N, S = prep.tokens.shape
@@ -383,11 +381,11 @@ class RLTrainer:
         lo, hi = self._local_range(N)
         n_mb, epochs = max(r.num_minibatches, 1), max(r.ppo_epochs, 1)
         multi = n_mb * epochs > 1
-        occ = r.mtp_strategy == "occ"
+        occ = self.strategy is MTPStrategy.OCC
         metrics: dict = {}
         extra_keep, old_logp, old_mtp, ref_logp = None, None, None, None
         if self.entrocraft is not None or multi:
-            logp0, ent, old_mtp = self._forward_only(self.model, prep, lo, hi, mtp=occ and multi)
+            logp0, ent, old_mtp = self._forward_only(self.model, self.hook, prep, lo, hi, mtp=occ and multi)
             if multi:
                 old_logp = logp0
             if self.entrocraft is not None:
@@ -397,7 +395,7 @@ class RLTrainer:
                 metrics.update({"entrocraft/entropy_before": h, "entrocraft/low": low, "entrocraft/high": high,
                                 "entrocraft/regime": {"low": -1, "band": 0, "high": 1}[regime]})
         if self.ref is not None:
-            ref_logp, _, _ = self._forward_only(self.ref, prep, lo, hi)
+            ref_logp, _, _ = self._forward_only(self.ref, self.ref_hook, prep, lo, hi)
         keep = prep.keep if extra_keep is None else prep.keep & extra_keep
         tok_rows = (prep.loss_mask * keep.unsqueeze(-1).to(prep.loss_mask.dtype)).sum(-1)  # [N]
         per_rank, m = N // self.dp_size, (N // self.dp_size) // n_mb
@@ -449,7 +447,7 @@ class RLTrainer:
                 dist.all_reduce(e, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
             v = v.cpu().tolist()
             stats = v[:len(STAT_NAMES)] + e.cpu().tolist() + v[len(STAT_NAMES):]
-            if r.mtp_strategy == "online":
+            if self.strategy is MTPStrategy.ONLINE:
                 mtp_m = self.model.mtp_metrics.reduce(self.ps.get_data_parallel_group())
             hook_m = self.hook.pop_stats()
             occ_sums = torch.tensor(self.hook.occ_sums, dtype=torch.float64, device=_device())

@@ -324,7 +324,7 @@ def server_command(cfg=None, engine: str = "bebop", *, model_path: str, port: in
     ``sglang.launch_server`` (``engine="sglang"``), with MTP speculation when γ > 0.
 
     Defaults come from ``cfg`` when given: γ = ``model.mtp_num_layers`` when ``rl.speculative``
-    and ``rl.mtp_strategy != "none"`` (else 0), ``rl.verify``, ``launch.rollout_tp`` and
+    and ``rl.strategy.speculates`` (else 0), ``rl.verify``, ``launch.rollout_tp`` and
     ``launch.rollout_mem_fraction`` (SGLang). SGLang gets ``--speculative-eagle-topk 1`` and
     ``--speculative-num-draft-tokens γ+1``; both accept thresholds stay at 1.0 (lower is lossy);
     ``--speculative-use-rejection-sampling`` is added for ``verify == "rejection"`` when
@@ -335,7 +335,7 @@ def server_command(cfg=None, engine: str = "bebop", *, model_path: str, port: in
     if cfg is not None:
         r, m = cfg.rl, cfg.model
         if gamma is None:
-            gamma = m.mtp_num_layers if (r.speculative and r.mtp_strategy != "none") else 0
+            gamma = m.mtp_num_layers if (r.speculative and r.strategy.speculates) else 0
         verify = verify or r.verify
         if engine == "sglang":
             ln = cfg.launch
