@@ -265,7 +265,9 @@ class GatedDeltaNet(nn.Module):
         # ---- causal conv1d over [conv state; new inputs]
         conv_state = cache.conv[b.slots].masked_fill(fresh[:, None, None], 0)  # [B, C, K-1]
         xs = torch.cat([conv_state, self.in_proj_qkv(x).transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, C, K-1+N]
-        mixed = F.silu(F.conv1d(xs, self.conv1d.weight.to(xs.dtype), groups=self.conv_dim)).transpose(1, 2)
+        # depthwise causal conv as K multiply-adds over the windows (F.conv1d with groups=C is slow on CPU)
+        w = self.conv1d.weight.to(xs.dtype)[:, 0]  # [C, K]
+        mixed = F.silu(torch.einsum("bcnk,ck->bnc", xs.unfold(2, K, 1), w))  # [B, N, C]
         win = b.lengths.clamp(max=N)[:, None, None] + torch.arange(K - 1, device=x.device)[None, None, :]
         cache.conv[b.slots] = xs.gather(2, win.expand(B, self.conv_dim, K - 1))  # last K-1 valid inputs
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
