@@ -168,3 +168,44 @@ def test_rejection_sampling_joint_law_matches_target(hybrid_dir):
 
     assert int(big.sum()) > 50
     assert chi2_pvalue(pooled_c, pooled_p) > 1e-4
+
+
+# ------------------------------------------------------------- weight sync from the megatron policy
+
+
+def _sync_worker(rank, world, ckpt_root, hf_dir):
+    from bebop_megatron.checkpointing import checkpoint_config, latest_checkpoint, load_checkpoint
+    from bebop_megatron.config import Config
+    from bebop_megatron.model import build_model
+    from bebop_megatron.parallel import initialize_distributed
+    from bebop_megatron.rl.weight_sync import rollout_model_for, sync_engine
+
+    ckpt = latest_checkpoint(ckpt_root)
+    cfg = Config.from_dict(checkpoint_config(ckpt))
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = world, 1
+    policy = build_model(cfg, initialize_distributed(world, 1, seed=5))
+    load_checkpoint(ckpt, policy)
+    policy.eval()
+    engine = Engine(rollout_model_for(cfg), spec=SpecConfig("mtp", 2), max_running=2, max_len=32)
+    info = sync_engine(policy, cfg, engine, version="v1", bucket_bytes=20_000)
+    ref = CausalLMWithMTP.from_pretrained(hf_dir)
+    got = dict(engine.model.named_parameters())
+    mismatch = [n for n, p in ref.named_parameters() if not torch.equal(p, got[n])]
+    # the synced engine generates greedily as the reference model does (speculation on)
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    out = engine.generate([[1, 2, 3]], sp)[0].output_ids
+    want = Engine(ref, spec=SpecConfig("none"), max_running=1, max_len=32).generate([[1, 2, 3]], sp)[0].output_ids
+    return {"info": info, "mismatch": mismatch, "same_tokens": out == want, "version": engine.weight_version}
+
+
+def test_policy_to_engine_sync_qwen3_5(tmp_path):
+    """HF -> megatron (qwen3_5, recurrent MTP) -> sync_engine: the engine holds exactly the HF weights
+    (trunk and the mtp.* module) and decodes as the HF-loaded engine model."""
+    from bebop_megatron.convert.hf_megatron import hf_to_megatron
+    from tests.distributed import run_distributed
+
+    make_qwen3_5(tmp_path / "hf", layer_types=TYPES, seed=3)
+    hf_to_megatron(tmp_path / "hf", tmp_path / "mc", tp=1)
+    r = run_distributed(_sync_worker, 1, str(tmp_path / "mc"), str(tmp_path / "hf"))[0]
+    assert r["mismatch"] == [] and r["same_tokens"] and r["version"] == "v1", r
+    assert r["info"]["mtp_tensors"] > 0
