@@ -288,18 +288,21 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(B, N, nv, dv, dtype=sd, device=x.device)
         snaps = cache.snapshot_buffer(N) if b.keep_states else None
         full = bool((b.lengths >= N).all())
+        kept = []
         for t in range(N):
             S_new = S * decay[:, t, :, None, None]
-            kt = k[:, t]
-            delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", S_new, kt)) * beta[:, t, :, None]
-            S_new = S_new + kt[..., None] * delta[..., None, :]
-            out[:, t] = torch.einsum("bhkv,bhk->bhv", S_new, q[:, t])
+            kt = k[:, t, :, None, :]  # [B, nv, 1, dk]
+            delta = (v[:, t] - (kt @ S_new).squeeze(-2)) * beta[:, t, :, None]
+            S_new = S_new + kt.transpose(-1, -2) * delta[:, :, None, :]
+            out[:, t] = (q[:, t, :, None, :] @ S_new).squeeze(-2)
             if full:
                 S = S_new
             else:
                 S = torch.where((t < b.lengths)[:, None, None, None], S_new, S)
             if snaps is not None:
-                snaps[b.slots, t] = S
+                kept.append(S)
+        if snaps is not None:
+            snaps[b.slots, :N] = torch.stack(kept, dim=1)
         cache.rec[b.slots] = S
         if snaps is not None:
             cache.snap_xs_store(b.slots, xs)
