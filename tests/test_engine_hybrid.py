@@ -42,6 +42,19 @@ def test_config_and_weights_load(hybrid_dir):
     assert c.num_mtp_modules == 1 and c.mtp_layout == "qwen3_next" and c.attn_output_gate
     m = CausalLMWithMTP.from_pretrained(d)
     assert m.has_mtp and m.layers[0].kind == "linear_attention" and m.layers[1].kind == "full_attention"
+    # the multimodal layout (text model under model.language_model., a vision tower) loads too
+    from safetensors.torch import load_file
+
+    sd = {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    mm = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v + 1.0
+          for k, v in sd.items()}
+    mm["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    cfg = json.loads((d / "config.json").read_text())
+    top = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": cfg,
+           "tie_word_embeddings": False}
+    m2 = CausalLMWithMTP(LMConfig.from_hf(top))
+    m2.load_hf_state_dict(mm, strict=True)
+    assert torch.equal(m2.layers[0].linear_attn.A_log, m.layers[0].linear_attn.A_log + 1.0)
 
 
 def test_logits_equal_transformers_prefill_and_decode(hybrid_dir):

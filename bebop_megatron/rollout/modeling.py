@@ -558,6 +558,7 @@ class CausalLMWithMTP(nn.Module):
 
     def validate_hf_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Raise ValueError (naming the tensor) if ``tensors`` could not be loaded; loads nothing."""
+        tensors = canonical_hf_names(tensors)
         by_hf = {v: k for k, v in self.hf_state_dict_names().items()}
         params = dict(self.named_parameters())
         for n, t in tensors.items():
@@ -577,6 +578,7 @@ class CausalLMWithMTP(nn.Module):
         Returns the names that were loaded. Raises ValueError naming the tensor on a shape
         mismatch, an unknown name, or (strict) a missing one.
         """
+        tensors = canonical_hf_names(tensors)
         self.validate_hf_tensors(tensors)  # names, shapes, finite values: all checked before any copy
         by_hf = {v: k for k, v in self.hf_state_dict_names().items()}
         params = dict(self.named_parameters())
@@ -606,13 +608,19 @@ class CausalLMWithMTP(nn.Module):
         tensors: dict[str, Tensor] = {}
         for f in files:
             tensors.update(load_file(str(f)))
-        if any(k.startswith("model.language_model.") for k in tensors):  # Qwen3.5 ForConditionalGeneration
-            pre = "model.language_model."
-            tensors = {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in tensors.items()
-                       if not k.startswith(("model.visual.", "model.vision"))}
         model.load_hf_state_dict(tensors, strict=True)
         model.eval()
         return model
+
+
+def canonical_hf_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Qwen3.5 ``ForConditionalGeneration`` checkpoints prefix the text model with
+    ``model.language_model.`` and carry a vision tower: map to the text model's names, drop the tower."""
+    pre = "model.language_model."
+    if not any(k.startswith(pre) for k in tensors):
+        return tensors
+    return {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in tensors.items()
+            if not k.startswith(("model.visual.", "model.vision"))}
 
 
 def _ignorable(name: str) -> bool:
