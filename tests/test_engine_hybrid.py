@@ -224,3 +224,29 @@ def test_policy_to_engine_sync_qwen3_5(tmp_path):
     r = run_distributed(_sync_worker, 1, str(tmp_path / "mc"), str(tmp_path / "hf"))[0]
     assert r["mismatch"] == [] and r["same_tokens"] and r["version"] == "v1", r
     assert r["info"]["mtp_tensors"] > 0
+
+
+def test_chunked_delta_rule_equals_recurrence():
+    """The prefill's chunked gated delta rule (2+ chunks, rows of different lengths with g = β = 0
+    padding) equals the token-by-token recurrence, outputs and final states (float64)."""
+    from bebop_megatron.rollout.modeling import _l2norm, chunked_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    B, N, H, dk, dv = 2, 150, 3, 8, 5
+    q = _l2norm(torch.randn(B, N, H, dk, generator=gen, dtype=torch.float64)) / dk ** 0.5
+    k = _l2norm(torch.randn(B, N, H, dk, generator=gen, dtype=torch.float64))
+    v = torch.randn(B, N, H, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, N, H, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, N, H, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(B, H, dk, dv, generator=gen, dtype=torch.float64)
+    lengths = [150, 97]
+    valid = torch.arange(N)[None, :] < torch.tensor(lengths)[:, None]
+    out, S = chunked_gated_delta_rule(q, k, v, g * valid[..., None], beta * valid[..., None], S0.clone())
+    for r, n in enumerate(lengths):
+        St = S0[r].clone()
+        for t in range(n):
+            St = St * g[r, t].exp()[:, None, None]
+            u = beta[r, t, :, None] * (v[r, t] - torch.einsum("hkv,hk->hv", St, k[r, t]))
+            St = St + k[r, t, :, :, None] * u[:, None, :]
+            assert (out[r, t] - torch.einsum("hkv,hk->hv", St, q[r, t])).abs().max() < 1e-10
+        assert (S[r] - St).abs().max() < 1e-10

@@ -225,6 +225,42 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+CHUNKED_MIN_TOKENS = 8  # forwards this long (prefill) use the chunked delta rule
+
+
+def chunked_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor,
+                             chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """The gated delta rule over chunks (the WY/UT form): equal to the token-by-token recurrence
+    S_t = e^{g_t} S_{t-1} + k_t u_tᵀ, u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t), o_t = S_tᵀ q_t.
+
+    q, k [B, N, H, dk] (q already scaled), v [B, N, H, dv], g (log decay), beta [B, N, H], S [B, H, dk, dv].
+    Within a chunk with cumulative log decay Γ: (I + A) U = βV - (β e^Γ K) S_0 with
+    A_ij = β_i e^{Γ_i-Γ_j} k_iᵀk_j (j < i); o = e^Γ Q S_0 + (QKᵀ ⊙ e^{Γ_i-Γ_j})_{j≤i} U and
+    S_C = e^{Γ_C} S_0 + Σ_j e^{Γ_C-Γ_j} k_j u_jᵀ. A position with g = 0 and β = 0 leaves the
+    state as it is (padding). Returns (o [B, N, H, dv], final S)."""
+    B, N, H, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-N) % chunk
+    n = (N + pad) // chunk
+    q, k, v = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, n, chunk, -1) for t in (q, k, v))
+    g, beta = (F.pad(t.transpose(1, 2), (0, pad)).reshape(B, H, n, chunk) for t in (g, beta))
+    G = g.cumsum(-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp()  # e^{Γi-Γj}, j <= i
+    T = (beta[..., None] * (k @ k.transpose(-1, -2)) * D).tril(-1)  # unit diagonal implied
+    Uv = torch.linalg.solve_triangular(T, beta[..., None] * v, upper=False, unitriangular=True)
+    Wk = torch.linalg.solve_triangular(T, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * D
+    qd = q * G.exp()[..., None]
+    kd = k * (G[..., -1:] - G).exp()[..., None]
+    out = torch.empty(B, H, n, chunk, dv, dtype=q.dtype, device=q.device)
+    for c in range(n):
+        U = Uv[:, :, c] - Wk[:, :, c] @ S
+        out[:, :, c] = qd[:, :, c] @ S + attn[:, :, c] @ U
+        S = S * G[:, :, c, -1].exp()[..., None, None] + kd[:, :, c].transpose(-1, -2) @ U
+    return out.reshape(B, H, n * chunk, dv)[:, :, :N].transpose(1, 2), S
+
+
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -283,8 +319,14 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().to(sd)  # [B, N, nv]
         g = -self.A_log.to(sd).exp() * F.softplus(self.in_proj_a(x).to(sd) + self.dt_bias.to(sd))
         decay = g.exp()
-        # ---- gated delta rule, token by token; padded positions leave the state as it is
         S = cache.rec[b.slots].masked_fill(fresh[:, None, None, None], 0)  # [B, nv, dk, dv]
+        if N >= CHUNKED_MIN_TOKENS and not b.keep_states:  # prefill: chunked form, padding made a no-op
+            pad = torch.arange(N, device=x.device)[None, :] >= b.lengths[:, None]  # [B, N]
+            out, S = chunked_gated_delta_rule(q, k, v, g.masked_fill(pad[..., None], 0),
+                                              beta.masked_fill(pad[..., None], 0), S)
+            cache.rec[b.slots] = S
+            return self._out(out, x)
+        # ---- gated delta rule, token by token; padded positions leave the state as it is
         out = torch.empty(B, N, nv, dv, dtype=sd, device=x.device)
         snaps = cache.snapshot_buffer(N) if b.keep_states else None
         full = bool((b.lengths >= N).all())
@@ -306,9 +348,14 @@ class GatedDeltaNet(nn.Module):
         cache.rec[b.slots] = S
         if snaps is not None:
             cache.snap_xs_store(b.slots, xs)
-        # ---- gated RMSNorm (float32, like transformers), out_proj
-        z = self.in_proj_z(x).reshape(B, N, nv, dv)
-        o = out.float() if sd != torch.float64 else out
+        return self._out(out, x)
+
+    def _out(self, out: Tensor, x: Tensor) -> Tensor:
+        """Gated RMSNorm (float32, like transformers) and out_proj."""
+        B, N, _ = x.shape
+        dtype = x.dtype
+        z = self.in_proj_z(x).reshape(B, N, self.c.linear_num_value_heads, self.c.linear_value_head_dim)
+        o = out.float() if out.dtype != torch.float64 else out
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm.eps)
         o = (self.norm.weight * o.to(dtype)) * F.silu(z.to(o.dtype))
         return self.out_proj(o.to(dtype).reshape(B, N, -1))
