@@ -21,16 +21,21 @@ def rollout_model_for(cfg: Config, dtype=None) -> CausalLMWithMTP:
     import torch
 
     m = cfg.model
-    if m.hybrid:
-        raise NotImplementedError(
-            f"the embedded rollout engine has no Gated DeltaNet layers yet (model.arch={m.arch!r}); "
-            "serve this model with SGLang (launch.rollout_engine: sglang) instead")
     lm = LMConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
                   num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                   num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, rms_norm_eps=m.norm_epsilon,
                   rope_theta=m.rotary_base, qk_norm=bool(m.qk_layernorm), qkv_bias=bool(m.add_qkv_bias),
                   tie_word_embeddings=m.tie_word_embeddings, num_mtp_modules=1 if m.mtp_recurrent else m.mtp_num_layers,
                   mtp_layout="deepseek", mtp_hidden="normed")
+    if m.hybrid:  # Qwen3.5-style: Gated DeltaNet + gated attention; ONE MTP module in the mtp.* layout
+        lm.layer_types = tuple(m.resolved_layer_types())
+        lm.linear_key_head_dim, lm.linear_value_head_dim = m.linear_key_head_dim, m.linear_value_head_dim
+        lm.linear_num_key_heads, lm.linear_num_value_heads = m.linear_num_key_heads, m.linear_num_value_heads
+        lm.linear_conv_kernel_dim = m.linear_conv_kernel_dim
+        lm.partial_rotary_factor = float(m.partial_rotary_factor)
+        lm.attn_output_gate = lm.zero_centered_norm = True
+        lm.mtp_layout = "qwen3_next"  # the converter's only MTP layout for this family (Shapes.from_config)
+        lm.num_mtp_modules = 1 if m.mtp_num_layers else 0
     return CausalLMWithMTP(lm).to(dtype or torch.float32).eval()
 
 
@@ -47,7 +52,8 @@ def sync_engine(policy, cfg: Config, engine: Engine, version: Optional[str] = No
         for bucket in iter_hf_buckets(policy, shapes, bucket_bytes):
             engine.model.load_hf_state_dict(bucket, strict=False)
             n += len(bucket)
-            n_mtp += sum(1 for k in bucket if k.startswith("model.layers.") and int(k.split(".")[2]) >= L)
+            n_mtp += sum(1 for k in bucket if k.startswith("mtp.")
+                         or (k.startswith("model.layers.") and int(k.split(".")[2]) >= L))
         if version is not None:
             engine.weight_version = str(version)
     if cfg.model.mtp_num_layers and n_mtp == 0:

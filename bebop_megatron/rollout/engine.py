@@ -20,6 +20,9 @@ SGLang's draft-extend and vLLM's EagleProposer do):
   2. verify: one trunk forward over [x_{L-1}, d_1..d_γr] gives p at γ_r+1 positions; drafts are
      accepted by rejection sampling (or target_only; temperature 0 = greedy) and one more token
      is drawn; the accepted tokens are committed.
+     Hybrid models (Gated DeltaNet layers): their recurrent/conv states are not position-indexed,
+     so the verify forward keeps the state after each of its γ_r+1 positions and, once m drafts
+     are accepted, each request's state is set to the one after d_m (exact rollback).
 A round with γ_r = 0 is a plain decoding step. The trunk prefill does not run MTP: the depths
 catch up over the prompt in the first draft pass, batched with every other request's draft.
 
@@ -189,6 +192,7 @@ class Engine:
         g, dev = self.gamma, self.device
         self.cache_len = max_len + g + 2
         self.trunk_cache = model.new_cache(max_running, self.cache_len, "trunk")
+        self._hybrid = bool(self.trunk_cache.linear)  # Gated DeltaNet layers: recurrent states need rollback
         self.mtp_caches: list[KVCache] = [model.new_cache(max_running, self.cache_len, "mtp") for _ in range(g)]
         h, dtype = model.config.hidden_size, model.embed_tokens.weight.dtype
         if g:
@@ -419,6 +423,7 @@ class Engine:
         drafts, q = self._draft(sl, L, st, g, u[:, :g], slot_l)
         # ---- 2. verify
         b = make_batch_index(slot_l, L - 1, torch.full_like(L, g + 1), N=g + 1)
+        b.keep_states = self._hybrid  # linear-attention states after every position, for the rollback
         last = self.tok[sl, L - 1]
         ids = torch.cat([last[:, None], drafts], dim=1)
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
@@ -427,6 +432,8 @@ class Engine:
         p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
         res = verify_chain(p, q, drafts, mode, uniforms=u[:, g:])
         num_acc, nxt = res.num_accepted, res.next_token
+        if self._hybrid:  # x_{L-1}, d_1..d_m are committed, the bonus token is not processed yet:
+            self.trunk_cache.rollback(sl, num_acc)  # linear-attention state := the one after d_m
         rows = torch.arange(B, device=dev)
         emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
         emitted[rows, num_acc] = nxt

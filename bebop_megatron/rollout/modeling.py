@@ -1,4 +1,8 @@
-"""Qwen2/Qwen3-style causal LM with MTP draft heads, for the embedded rollout engine.
+"""Qwen2/Qwen3-style causal LM with MTP draft heads, for the embedded rollout engine; also the
+Qwen3.5-style hybrid (``model_type`` qwen3_5 / qwen3_5_text): Gated DeltaNet linear-attention layers
+(``linear_attn``: causal depthwise conv1d + gated delta rule recurrence, gated RMSNorm output) between
+gated full-attention layers (``q_proj`` rows per head [q_h; gate_h], output * sigmoid(gate)),
+zero-centred RMSNorm ((1 + w)·x̂), partial RoPE (the first ``partial_rotary_factor`` of each head).
 
 Weights use the Hugging Face layout (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``lm_head``...) so that any HF export loads. MTP heads load from the layouts found in the wild:
@@ -18,6 +22,13 @@ KV caches live in fixed slots ``[slots, kv_heads, max_len, head_dim]`` per layer
 (the trunk and each MTP depth): a forward writes its rows' new K/V at their positions and attends
 causally over the slot, so requests of different lengths batch together (continuous batching),
 and speculative entries past a request's committed length are simply overwritten later.
+
+A Gated DeltaNet layer keeps, per slot, a conv state (the last K-1 inputs of its conv1d) and a
+recurrent state [v_heads, k_dim, v_dim] (float32 for half-precision models) after the slot's last
+processed token; a row starting at position 0 starts from zeros. These are not position-indexed, so
+speculation needs exact rollback: a forward with ``BatchIndex.keep_states`` also keeps the state
+after EVERY fed position (SGLang's extra buffer), and ``KVCache.rollback(slots, idx)`` then sets each
+row's live state to the one after its position ``idx`` (the drafts it accepted).
 """
 
 from __future__ import annotations
@@ -52,12 +63,44 @@ class LMConfig:
     mtp_layout: str = "deepseek"  # deepseek | qwen3_next
     mtp_hidden: str = "normed"  # normed (megatron-core) | prenorm
     eos_token_id: Optional[int] = None
+    # Qwen3.5-style hybrid: per-layer "linear_attention" (Gated DeltaNet) | "full_attention"
+    layer_types: tuple = ()
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False  # q_proj also yields a per-head output gate
+    zero_centered_norm: bool = False  # RMSNorm scales by (1 + w)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_kind(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "LMConfig":
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "")
+        if "moe" in model_type or model_type == "qwen3_next" or any("Moe" in a or "Next" in a for a in archs):
+            raise ValueError(f"unsupported model type {model_type or archs!r} (dense Qwen2/Qwen3/Qwen3.5 only)")
+        if isinstance(cfg.get("text_config"), dict):  # Qwen3_5ForConditionalGeneration: the text model's fields
+            top = cfg
+            cfg = dict(top["text_config"])
+            for key in ("tie_word_embeddings", "mtp_num_hidden_layers", "bebop_mtp_hidden", "eos_token_id"):
+                if key in top and key not in cfg:
+                    cfg[key] = top[key]
+            cfg.setdefault("model_type", "qwen3_5_text")
+            model_type = cfg["model_type"]
+        hybrid = model_type in ("qwen3_5", "qwen3_5_text") or any(a.startswith("Qwen3_5For") for a in archs)
         qwen2 = model_type == "qwen2" or any("Qwen2" in a for a in archs)
         heads = cfg["num_attention_heads"]
         n_ds = int(cfg.get("num_nextn_predict_layers", 0) or 0)
@@ -81,7 +124,25 @@ class LMConfig:
             mtp_layout="deepseek" if n_ds else "qwen3_next",
             mtp_hidden=cfg.get("bebop_mtp_hidden", "normed"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            **(_hybrid_fields(cfg) if hybrid else {}),
         )
+
+
+def _hybrid_fields(cfg: dict) -> dict:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not types:
+        k = int(cfg.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n)]
+    rp = cfg.get("rope_parameters") or {}
+    return dict(
+        layer_types=tuple(types), linear_key_head_dim=cfg["linear_key_head_dim"],
+        linear_value_head_dim=cfg["linear_value_head_dim"], linear_num_key_heads=cfg["linear_num_key_heads"],
+        linear_num_value_heads=cfg["linear_num_value_heads"],
+        linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+        partial_rotary_factor=float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+        attn_output_gate=True, zero_centered_norm=True,
+    )
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -94,18 +155,27 @@ def _rope_theta(cfg: dict) -> float:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered  # Qwen3.5: (1 + w) * x̂, with w stored around 0
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
+        if self.zero_centered:  # transformers' Qwen3_5RMSNorm: x̂ * (1 + w) in float32 (float64 stays), then cast
+            xf = x if dtype == torch.float64 else x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (xf * (1.0 + self.weight.to(xf.dtype))).to(dtype)
         if dtype in (torch.float32, torch.float64):  # fused kernel, same arithmetic as below
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def _norm(c: "LMConfig", dim: int) -> RMSNorm:
+    return RMSNorm(dim, c.rms_norm_eps, c.zero_centered_norm)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -118,28 +188,177 @@ class Attention(nn.Module):
         super().__init__()
         self.c = c
         h, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(h, nh * hd, bias=c.qkv_bias)
+        self.q_proj = nn.Linear(h, nh * hd * (2 if c.attn_output_gate else 1), bias=c.qkv_bias)
         self.k_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
         if c.qk_norm:
-            self.q_norm = RMSNorm(hd, c.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, c.rms_norm_eps)
+            self.q_norm = _norm(c, hd)
+            self.k_norm = _norm(c, hd)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: "LayerCache", batch: "BatchIndex") -> Tensor:
         B, N, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, N, c.num_attention_heads, c.head_dim)
+        gate = None
+        if c.attn_output_gate:  # per head [q_h; gate_h]
+            q, gate = self.q_proj(x).view(B, N, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, N, -1)
+        else:
+            q = self.q_proj(x).view(B, N, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).view(B, N, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).view(B, N, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        rd = cos.shape[-1]
+        if rd == c.head_dim:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        else:  # partial RoPE: the first rd dims of each head rotate, the rest pass
+            q = torch.cat([q[..., :rd] * cos + _rotate_half(q[..., :rd]) * sin, q[..., rd:]], dim=-1)
+            k = torch.cat([k[..., :rd] * cos + _rotate_half(k[..., :rd]) * sin, k[..., rd:]], dim=-1)
         keys, values = cache.write_and_read(k, v, batch)  # [B, nkv, L, hd]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=batch.attn_mask,
                                              enable_gqa=c.num_attention_heads != c.num_key_value_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1))
+        out = out.transpose(1, 2).reshape(B, N, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+CHUNKED_MIN_TOKENS = 8  # forwards this long (prefill) use the chunked delta rule
+
+
+def chunked_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor,
+                             chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """The gated delta rule over chunks (the WY/UT form): equal to the token-by-token recurrence
+    S_t = e^{g_t} S_{t-1} + k_t u_tᵀ, u_t = β_t (v_t - e^{g_t} S_{t-1}ᵀ k_t), o_t = S_tᵀ q_t.
+
+    q, k [B, N, H, dk] (q already scaled), v [B, N, H, dv], g (log decay), beta [B, N, H], S [B, H, dk, dv].
+    Within a chunk with cumulative log decay Γ: (I + A) U = βV - (β e^Γ K) S_0 with
+    A_ij = β_i e^{Γ_i-Γ_j} k_iᵀk_j (j < i); o = e^Γ Q S_0 + (QKᵀ ⊙ e^{Γ_i-Γ_j})_{j≤i} U and
+    S_C = e^{Γ_C} S_0 + Σ_j e^{Γ_C-Γ_j} k_j u_jᵀ. A position with g = 0 and β = 0 leaves the
+    state as it is (padding). Returns (o [B, N, H, dv], final S)."""
+    B, N, H, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-N) % chunk
+    n = (N + pad) // chunk
+    q, k, v = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, n, chunk, -1) for t in (q, k, v))
+    g, beta = (F.pad(t.transpose(1, 2), (0, pad)).reshape(B, H, n, chunk) for t in (g, beta))
+    G = g.cumsum(-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp()  # e^{Γi-Γj}, j <= i
+    T = (beta[..., None] * (k @ k.transpose(-1, -2)) * D).tril(-1)  # unit diagonal implied
+    Uv = torch.linalg.solve_triangular(T, beta[..., None] * v, upper=False, unitriangular=True)
+    Wk = torch.linalg.solve_triangular(T, (beta * G.exp())[..., None] * k, upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * D
+    qd = q * G.exp()[..., None]
+    kd = k * (G[..., -1:] - G).exp()[..., None]
+    out = torch.empty(B, H, n, chunk, dv, dtype=q.dtype, device=q.device)
+    for c in range(n):
+        U = Uv[:, :, c] - Wk[:, :, c] @ S
+        out[:, :, c] = qd[:, :, c] @ S + attn[:, :, c] @ U
+        S = S * G[:, :, c, -1].exp()[..., None, None] + kd[:, :, c].transpose(-1, -2) @ U
+    return out.reshape(B, H, n * chunk, dv)[:, :, :N].transpose(1, 2), S
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's ``linear_attn``: in_proj -> causal depthwise conv1d (SiLU) over [q; k; v] -> gated
+    delta rule recurrence per value head (decay exp(g), write strength β, L2-normed q/k, q scaled
+    by 1/sqrt(d_k)) -> gated RMSNorm (plain gain, * SiLU(z)) -> out_proj.
+
+    The recurrence runs token by token in pure torch (exact, simple; prefill cost is linear in the
+    prompt's length with a Python loop), on the slot's conv and recurrent states."""
+
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.c = c
+        h = c.hidden_size
+        nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = nk * dk, nv * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, nv, bias=False)
+        self.in_proj_a = nn.Linear(h, nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(nv))
+        self.A_log = nn.Parameter(torch.zeros(nv))
+        self.norm = RMSNorm(dv, c.rms_norm_eps)  # plain gain (not zero-centred), applied in float32
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def forward(self, x: Tensor, cache: "LinearStateCache", b: "BatchIndex") -> Tensor:
+        c = self.c
+        B, N, _ = x.shape
+        nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        K = c.linear_conv_kernel_dim
+        dtype = x.dtype
+        fresh = (b.start == 0)  # a row from position 0 starts from zero states (slot reuse)
+        # ---- causal conv1d over [conv state; new inputs]
+        conv_state = cache.conv[b.slots].masked_fill(fresh[:, None, None], 0)  # [B, C, K-1]
+        xs = torch.cat([conv_state, self.in_proj_qkv(x).transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, C, K-1+N]
+        # depthwise causal conv as K multiply-adds over the windows (F.conv1d with groups=C is slow on CPU)
+        w = self.conv1d.weight.to(xs.dtype)[:, 0]  # [C, K]
+        mixed = F.silu(torch.einsum("bcnk,ck->bnc", xs.unfold(2, K, 1), w))  # [B, N, C]
+        win = b.lengths.clamp(max=N)[:, None, None] + torch.arange(K - 1, device=x.device)[None, None, :]
+        cache.conv[b.slots] = xs.gather(2, win.expand(B, self.conv_dim, K - 1))  # last K-1 valid inputs
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        sd = cache.rec.dtype
+        q = q.reshape(B, N, nk, dk).to(sd)
+        k = k.reshape(B, N, nk, dk).to(sd)
+        v = v.reshape(B, N, nv, dv).to(sd)
+        if nv != nk:
+            q = q.repeat_interleave(nv // nk, dim=2)
+            k = k.repeat_interleave(nv // nk, dim=2)
+        q = _l2norm(q) / math.sqrt(dk)
+        k = _l2norm(k)
+        beta = self.in_proj_b(x).sigmoid().to(sd)  # [B, N, nv]
+        g = -self.A_log.to(sd).exp() * F.softplus(self.in_proj_a(x).to(sd) + self.dt_bias.to(sd))
+        decay = g.exp()
+        S = cache.rec[b.slots].masked_fill(fresh[:, None, None, None], 0)  # [B, nv, dk, dv]
+        if N >= CHUNKED_MIN_TOKENS and not b.keep_states:  # prefill: chunked form, padding made a no-op
+            pad = torch.arange(N, device=x.device)[None, :] >= b.lengths[:, None]  # [B, N]
+            out, S = chunked_gated_delta_rule(q, k, v, g.masked_fill(pad[..., None], 0),
+                                              beta.masked_fill(pad[..., None], 0), S)
+            cache.rec[b.slots] = S
+            return self._out(out, x)
+        # ---- gated delta rule, token by token; padded positions leave the state as it is
+        out = torch.empty(B, N, nv, dv, dtype=sd, device=x.device)
+        snaps = cache.snapshot_buffer(N) if b.keep_states else None
+        full = bool((b.lengths >= N).all())
+        kept = []
+        for t in range(N):
+            S_new = S * decay[:, t, :, None, None]
+            kt = k[:, t, :, None, :]  # [B, nv, 1, dk]
+            delta = (v[:, t] - (kt @ S_new).squeeze(-2)) * beta[:, t, :, None]
+            S_new = S_new + kt.transpose(-1, -2) * delta[:, :, None, :]
+            out[:, t] = (q[:, t, :, None, :] @ S_new).squeeze(-2)
+            if full:
+                S = S_new
+            else:
+                S = torch.where((t < b.lengths)[:, None, None, None], S_new, S)
+            if snaps is not None:
+                kept.append(S)
+        if snaps is not None:
+            snaps[b.slots, :N] = torch.stack(kept, dim=1)
+        cache.rec[b.slots] = S
+        if snaps is not None:
+            cache.snap_xs_store(b.slots, xs)
+        return self._out(out, x)
+
+    def _out(self, out: Tensor, x: Tensor) -> Tensor:
+        """Gated RMSNorm (float32, like transformers) and out_proj."""
+        B, N, _ = x.shape
+        dtype = x.dtype
+        z = self.in_proj_z(x).reshape(B, N, self.c.linear_num_value_heads, self.c.linear_value_head_dim)
+        o = out.float() if out.dtype != torch.float64 else out
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm.eps)
+        o = (self.norm.weight * o.to(dtype)) * F.silu(z.to(o.dtype))
+        return self.out_proj(o.to(dtype).reshape(B, N, -1))
 
 
 class MLP(nn.Module):
@@ -154,26 +373,33 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: LMConfig):
+    def __init__(self, c: LMConfig, kind: str = "full_attention"):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.kind = kind
+        self.input_layernorm = _norm(c, c.hidden_size)
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(c)
+        else:
+            self.self_attn = Attention(c)
+        self.post_attention_layernorm = _norm(c, c.hidden_size)
         self.mlp = MLP(c)
 
     def forward(self, x, cos, sin, cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+        if self.kind == "linear_attention":
+            x = x + self.linear_attn(self.input_layernorm(x), cache, batch)
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MTPModule(nn.Module):
     def __init__(self, c: LMConfig):
         super().__init__()
-        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.enorm = _norm(c, c.hidden_size)
+        self.hnorm = _norm(c, c.hidden_size)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.mtp_layers_per_module)])
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.mtp_layers_per_module)])  # full attention
+        self.final_norm = _norm(c, c.hidden_size)
 
 
 # --------------------------------------------------------------------------- caches
@@ -193,6 +419,7 @@ class BatchIndex:
     attn_mask: Tensor  # [B, 1, N, L] bool, True = attend
     span: int  # L: keys read per row
     slot_range: Optional[tuple[int, int]] = None  # (first, count) when slots are consecutive: caches read as views
+    keep_states: bool = False  # linear-attention layers keep their state after every position (rollback)
 
 
 def make_batch_index(slots, starts, lengths, device=None, N: Optional[int] = None) -> BatchIndex:
@@ -238,13 +465,63 @@ class LayerCache:
         return self.k[b.slots, :, : b.span], self.v[b.slots, :, : b.span]
 
 
-class KVCache:
-    """One LayerCache per layer of a stream (the trunk, or one MTP depth)."""
+class LinearStateCache:
+    """A Gated DeltaNet layer's per-slot states: conv [slots, C, K-1] (the last K-1 conv inputs)
+    and recurrent [slots, v_heads, k_dim, v_dim], after the slot's last processed token.
 
-    def __init__(self, num_layers: int, slots: int, max_len: int, c: LMConfig, dtype, device):
-        self.layers = [LayerCache(slots, max_len, c.num_key_value_heads, c.head_dim, dtype, device)
-                       for _ in range(num_layers)]
+    With ``BatchIndex.keep_states`` a forward also keeps, per slot, the recurrent state after each
+    fed position and the conv input window of that forward; ``rollback`` restores the ones after
+    a given position (exact: no recomputation)."""
+
+    def __init__(self, slots: int, c: LMConfig, dtype, device):
+        C = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        K = c.linear_conv_kernel_dim
+        sd = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        self.conv = torch.zeros(slots, C, K - 1, dtype=sd, device=device)
+        self.rec = torch.zeros(slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                               dtype=sd, device=device)
+        self.K = K
+        self.snap_rec: Optional[Tensor] = None  # [slots, n, v_heads, k_dim, v_dim]
+        self.snap_xs: Optional[Tensor] = None  # [slots, C, K-1+n]
+        self.snap_n = torch.zeros(slots, dtype=torch.long, device=device)  # positions fed in the kept forward
+
+    def snapshot_buffer(self, n: int) -> Tensor:
+        if self.snap_rec is None or self.snap_rec.shape[1] < n:
+            S = self.rec.shape[0]
+            self.snap_rec = torch.zeros(S, n, *self.rec.shape[1:], dtype=self.rec.dtype, device=self.rec.device)
+            self.snap_xs = torch.zeros(S, self.conv.shape[1], self.K - 1 + n, dtype=self.conv.dtype,
+                                       device=self.conv.device)
+        return self.snap_rec
+
+    def snap_xs_store(self, slots: Tensor, xs: Tensor) -> None:
+        self.snap_xs[slots, :, : xs.shape[2]] = xs
+
+    def rollback(self, slots: Tensor, idx: Tensor) -> None:
+        """Live state of each slot := the one after position ``idx`` of its last kept forward."""
+        self.rec[slots] = self.snap_rec[slots, idx]
+        win = (idx + 1)[:, None, None] + torch.arange(self.K - 1, device=idx.device)[None, None, :]
+        xs = self.snap_xs[slots]
+        self.conv[slots] = xs.gather(2, win.expand(xs.shape[0], xs.shape[1], self.K - 1))
+
+
+class KVCache:
+    """One cache per layer of a stream (the trunk, or one MTP depth): a LayerCache (KV) for an
+    attention layer, a LinearStateCache for a Gated DeltaNet layer."""
+
+    def __init__(self, num_layers: int, slots: int, max_len: int, c: LMConfig, dtype, device,
+                 kinds: Optional[list] = None):
+        kinds = kinds or ["full_attention"] * num_layers
+        self.layers = [LinearStateCache(slots, c, dtype, device) if kind == "linear_attention"
+                       else LayerCache(slots, max_len, c.num_key_value_heads, c.head_dim, dtype, device)
+                       for kind in kinds]
+        self.linear = [lc for lc in self.layers if isinstance(lc, LinearStateCache)]
         self.max_len = max_len
+
+    def rollback(self, slots: Tensor, idx: Tensor) -> None:
+        """After a forward with ``keep_states``: each slot's linear-attention state := the one after
+        its position ``idx`` (KV entries need nothing: later writes overwrite them)."""
+        for lc in self.linear:
+            lc.rollback(slots, idx)
 
 
 # ---------------------------------------------------------------------------- model
@@ -255,11 +532,12 @@ class CausalLMWithMTP(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.num_hidden_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(c, c.layer_kind(i)) for i in range(c.num_hidden_layers)])
+        self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_mtp_modules)])
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        rd = c.rotary_dim  # partial RoPE: the first rd dims of each head
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self._rope_tables: dict = {}  # (dtype, device) -> (cos, sin) [positions, hd]
 
@@ -288,8 +566,12 @@ class CausalLMWithMTP(nn.Module):
     def new_cache(self, slots: int, max_len: int, stream: str) -> KVCache:
         dtype = self.embed_tokens.weight.dtype
         device = self.embed_tokens.weight.device
-        n = self.config.num_hidden_layers if stream == "trunk" else self.config.mtp_layers_per_module
-        return KVCache(n, slots, max_len, self.config, dtype, device)
+        c = self.config
+        if stream == "trunk":
+            kinds = [c.layer_kind(i) for i in range(c.num_hidden_layers)]
+        else:
+            kinds = ["full_attention"] * c.mtp_layers_per_module
+        return KVCache(len(kinds), slots, max_len, c, dtype, device, kinds)
 
     @torch.no_grad()
     def trunk(self, ids: Tensor, cache: KVCache, b: BatchIndex) -> tuple[Tensor, Tensor]:
@@ -323,6 +605,7 @@ class CausalLMWithMTP(nn.Module):
 
     def validate_hf_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Raise ValueError (naming the tensor) if ``tensors`` could not be loaded; loads nothing."""
+        tensors = canonical_hf_names(tensors)
         by_hf = {v: k for k, v in self.hf_state_dict_names().items()}
         params = dict(self.named_parameters())
         for n, t in tensors.items():
@@ -342,6 +625,7 @@ class CausalLMWithMTP(nn.Module):
         Returns the names that were loaded. Raises ValueError naming the tensor on a shape
         mismatch, an unknown name, or (strict) a missing one.
         """
+        tensors = canonical_hf_names(tensors)
         self.validate_hf_tensors(tensors)  # names, shapes, finite values: all checked before any copy
         by_hf = {v: k for k, v in self.hf_state_dict_names().items()}
         params = dict(self.named_parameters())
@@ -374,6 +658,16 @@ class CausalLMWithMTP(nn.Module):
         model.load_hf_state_dict(tensors, strict=True)
         model.eval()
         return model
+
+
+def canonical_hf_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Qwen3.5 ``ForConditionalGeneration`` checkpoints prefix the text model with
+    ``model.language_model.`` and carry a vision tower: map to the text model's names, drop the tower."""
+    pre = "model.language_model."
+    if not any(k.startswith(pre) for k in tensors):
+        return tensors
+    return {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in tensors.items()
+            if not k.startswith(("model.visual.", "model.vision"))}
 
 
 def _ignorable(name: str) -> bool:
