@@ -207,3 +207,36 @@ def test_moe_round_trip_is_bit_exact_and_loads_in_transformers(moe_model, tmp_pa
         assert hf.config.norm_topk_prob is False and list(hf.config.mlp_only_layers) == [0]
     with torch.no_grad():
         assert torch.equal(hf(IDS).logits, ref)
+
+
+def test_35b_a3b_preset_matches_transformers_defaults_and_ep_validates():
+    """configs/qwen3p5_35b_a3b*.yaml carry transformers' Qwen3_5MoeTextConfig defaults (documented as
+    the Qwen3.5-35B-A3B shape); EP must divide the experts and the data-parallel size."""
+    from pathlib import Path
+
+    from transformers import Qwen3_5MoeTextConfig
+
+    from bebop_megatron.config import Config, ConfigError
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    hf = Qwen3_5MoeTextConfig()
+    for name, ep in (("qwen3p5_35b_a3b.yaml", 4), ("qwen3p5_35b_a3b_4x8.yaml", 8)):
+        cfg = Config.load(root / name)
+        m = cfg.model
+        assert (m.arch, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels,
+                m.vocab_size, m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
+                m.moe_shared_expert_intermediate_size, m.linear_num_key_heads, m.linear_num_value_heads,
+                m.linear_key_head_dim, m.linear_value_head_dim, m.tie_word_embeddings) == (
+            "qwen3_5_moe", hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+            hf.head_dim, hf.vocab_size, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+            hf.shared_expert_intermediate_size, hf.linear_num_key_heads, hf.linear_num_value_heads,
+            hf.linear_key_head_dim, hf.linear_value_head_dim, hf.tie_word_embeddings)
+        assert m.resolved_layer_types() == list(hf.layer_types) and all(m.moe_layer_pattern())
+        assert cfg.parallel.expert_model_parallel_size == ep
+        cfg.validate(world_size=cfg.launch.trainer_world_size)
+    with pytest.raises(ConfigError, match="num_moe_experts 256 not divisible by EP 3"):
+        Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.expert_model_parallel_size=3"]).validate(world_size=4)
+    with pytest.raises(ConfigError, match="data-parallel size 4 not divisible by EP 8"):
+        Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.expert_model_parallel_size=8"]).validate(world_size=4)
+    with pytest.raises(ConfigError, match="needs an MoE arch"):
+        Config.load(root / "qwen3p5_9b.yaml", ["parallel.expert_model_parallel_size=2"]).validate(world_size=4)
