@@ -16,6 +16,13 @@ exception is Gated DeltaNet's output norm, whose HF weight is a plain gain: it i
 The MTP layer is a gated full-attention layer (HF's ``mtp.layers.0``) with zero-centred
 enorm / hnorm / final norm (``mtp.pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm``).
 
+MoE archs (``qwen3_5_moe``: Qwen3.5-MoE, ``qwen3_next``: Qwen3-Next) swap the layer's MLP for
+megatron-core's ``MoELayer`` (the GPT layer specs with ``num_experts``: softmax top-k router, sequential
+experts on the local spec / grouped-GEMM experts under Transformer Engine, a shared expert with its
+sigmoid gate, ``moe_shared_expert_gate``), per layer from ``ModelConfig.moe_layer_pattern`` (Qwen3-Next's
+``decoder_sparse_step`` / ``mlp_only_layers``); their MTP layer is an MoE layer too, as HF ships it.
+The two archs differ only in HF tensor layout (see ``convert/layout.py``) and ``norm_topk_prob``.
+
 megatron-core's hybrid block builder (``experimental_attention_variant_module_specs``) only
 supports Transformer Engine, so the per-layer specs are assembled here from its module-level
 helpers (``get_gated_delta_net_module_spec``) and the GPT layer specs.
