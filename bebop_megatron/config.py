@@ -602,6 +602,9 @@ def _validate_moe(m: ModelConfig, p: "ParallelConfig", world_size: Optional[int]
     shared = m.moe_shared_expert_intermediate_size
     if shared is not None and shared % p.tensor_model_parallel_size:
         errors.append(f"model.moe_shared_expert_intermediate_size {shared} not divisible by TP")
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        errors.append("MoE with TP > 1 needs parallel.sequence_parallel: true (megatron-core's MoELayer refuses "
+                      "to train without it)")
     if m.num_moe_experts % ep:
         errors.append(f"model.num_moe_experts {m.num_moe_experts} not divisible by EP {ep}")
     if world_size is not None:

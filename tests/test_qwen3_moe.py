@@ -3,8 +3,9 @@
 * HF -> Megatron: megatron-core logits equal transformers' ``Qwen3_5MoeForCausalLM`` /
   ``Qwen3NextForCausalLM`` (fp32, 1e-4) on tiny random models (4 experts, top-2, a gated shared
   expert), and the recurrent MTP chain (an MoE layer, as HF ships ``mtp.layers.0``) equals a
-  reference written with transformers' own decoder layer; Qwen3-Next also at TP=2, with
-  ``norm_topk_prob: false`` (megatron's pre-softmax router) and a dense ``mlp_only_layers`` layer.
+  reference written with transformers' own decoder layer; Qwen3-Next converted at TP=2 (sequence
+  parallel) and run at TP=1 and TP=2 (eval, no SP), with ``norm_topk_prob: false`` (megatron's pre-softmax router)
+  and a dense ``mlp_only_layers`` layer; Qwen3.5-MoE also at EP=2.
 * HF -> Megatron -> HF is bit-exact (per-expert tensors, router, shared expert and its gate,
   Qwen3-Next's interleaved ``in_proj_qkvz`` / ``in_proj_ba``, one ``mtp.*`` module) and the export
   loads back in transformers with identical logits.
@@ -166,8 +167,14 @@ def moe_model(request, tmp_path_factory):
     model = make_moe(d / "hf", arch)
     with torch.no_grad():
         ref = model(IDS).logits
-    res = hf_to_megatron(d / "hf", d / "mc", tp=1)
-    assert res["mtp_recurrent"] and not res["fresh_mtp_layers"]
+    # Qwen3-Next converts at TP=2 (experts, shared expert and GDN sections split per rank; sequence
+    # parallelism on, as megatron-core's MoE needs with TP): the tests below then reshard it to TP=1,
+    # run it at TP=2 (without SP: 11 tokens) and export it from TP=2
+    tp = 2 if arch == "qwen3_next" else 1
+    res = hf_to_megatron(d / "hf", d / "mc", tp=tp)
+    assert res["mtp_recurrent"] and not res["fresh_mtp_layers"] and res["tp"] == tp
+    cfg = json.loads((d / "mc" / "bebop_config.json").read_text())
+    assert cfg["parallel"]["sequence_parallel"] is (tp > 1)
     return arch, d, model, ref
 
 
@@ -238,6 +245,8 @@ def test_35b_a3b_preset_matches_transformers_defaults_and_ep_validates():
         Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.expert_model_parallel_size=3"]).validate(world_size=4)
     with pytest.raises(ConfigError, match="data-parallel size 4 not divisible by EP 8"):
         Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.expert_model_parallel_size=8"]).validate(world_size=4)
+    with pytest.raises(ConfigError, match="needs parallel.sequence_parallel"):
+        Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.tensor_model_parallel_size=2"]).validate(world_size=4)
     with pytest.raises(ConfigError, match="needs an MoE arch"):
         Config.load(root / "qwen3p5_9b.yaml", ["parallel.expert_model_parallel_size=2"]).validate(world_size=4)
 
@@ -277,3 +286,4 @@ def test_moe_expert_parallel_loads_global_experts_and_equals_transformers(moe_mo
     e0 = {n.split(".")[0] for n in out[0][1]}
     e1 = {n.split(".")[0] for n in out[1][1]}
     assert e0 == {"0", "1"} and e1 == {"2", "3"}, (e0, e1)
+

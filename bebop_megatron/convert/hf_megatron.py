@@ -287,6 +287,7 @@ def hf_to_megatron(hf_path: str | Path, output: str | Path, tp: int = 1, pp: int
     cfg = config_from_hf(hf.config, mtp_layers, vocab_multiple)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     cfg.parallel.global_batch_size = cfg.parallel.micro_batch_size = 1
+    cfg.parallel.sequence_parallel = cfg.model.moe and tp > 1  # megatron-core trains MoE + TP only with SP
     cfg.model.padded_vocab = cfg.model.padded_vocab_size(tp)  # reshardable: same rows at any TP
     try:
         cfg.validate(world_size=tp * pp)
@@ -375,6 +376,7 @@ def _megatron_to_hf_worker(rank, world, ckpt, out_tmp, shard_bytes, dtype):
     # keep the saved vocabulary padding (megatron pads to a multiple of divisible_by * TP)
     cfg.model.padded_vocab = cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
+    cfg.parallel.sequence_parallel, cfg.parallel.expert_model_parallel_size = False, 1
     cfg.model.transformer_impl = "local"
     platform = initialize_distributed(1, 1, seed=0, force_cpu=True)
     model = build_model(cfg, platform, initialize=False)
