@@ -251,7 +251,8 @@ def test_35b_a3b_preset_matches_transformers_defaults_and_ep_validates():
         Config.load(root / "qwen3p5_9b.yaml", ["parallel.expert_model_parallel_size=2"]).validate(world_size=4)
 
 
-def _ep_worker(rank, world, hf_dir):
+def _ep_worker(rank, world, hf_dir, ckpt_dir):
+    from bebop_megatron.checkpointing import save_checkpoint
     from bebop_megatron.convert.hf_megatron import LazyHF, config_from_hf, load_hf_into_model
     from bebop_megatron.convert.layout import Shapes
     from bebop_megatron.model import build_model
@@ -270,20 +271,29 @@ def _ep_worker(rank, world, hf_dir):
         logits = model(IDS, pos, None)[..., : cfg.model.vocab_size]
     experts = sorted({n.split(".experts.", 1)[1] for n in info["consumed"] if ".experts." in n})
     local = sum(1 for n, _ in model.named_parameters() if n.startswith("decoder.layers.0.mlp.experts."))
+    save_checkpoint(ckpt_dir, 0, model, extra={"config": json.dumps(cfg.to_dict()), "consumed_samples": 0})
     return logits, experts, local
 
 
-def test_moe_expert_parallel_loads_global_experts_and_equals_transformers(moe_model):
+def test_moe_expert_parallel_loads_global_experts_and_equals_transformers(moe_model, tmp_path):
     """EP=2 (2 CPU ranks, DP=2): each rank holds half the experts, loaded by global index, and the
-    all-gather dispatcher reproduces transformers' logits."""
+    all-gather dispatcher reproduces transformers' logits; the EP=2 checkpoint exports (at EP=1)
+    bit-exactly."""
+    from bebop_megatron.convert.hf_megatron import megatron_to_hf
+
     arch, d, _, ref = moe_model
     if arch != "qwen3_5_moe":
         pytest.skip("EP is checked on one MoE arch (2 CPU cores)")
-    out = run_distributed(_ep_worker, 2, str(d / "hf"))
+    out = run_distributed(_ep_worker, 2, str(d / "hf"), str(tmp_path / "ep2"))
     for logits, _, local in out:
         assert (logits - ref).abs().max() < 1e-4, (logits - ref).abs().max()
         assert local == 2 * 2  # 2 of 4 experts, fc1 + fc2 each
     e0 = {n.split(".")[0] for n in out[0][1]}
     e1 = {n.split(".")[0] for n in out[1][1]}
     assert e0 == {"0", "1"} and e1 == {"2", "3"}, (e0, e1)
+    megatron_to_hf(tmp_path / "ep2", tmp_path / "back")
+    src, back = hf_tensors(d / "hf"), hf_tensors(tmp_path / "back")
+    assert set(back) == set(src)
+    for n, t in src.items():
+        assert torch.equal(back[n], t), n
 
