@@ -26,8 +26,9 @@ MTP_LOSSES = ("ce", "kl", "tv", "e2e_tv")
 FP8_FORMATS = (None, "hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
-ARCHS = ("qwen2", "qwen3", "qwen3_5")
-HYBRID_ARCHS = ("qwen3_5",)  # Gated DeltaNet + gated full attention (Qwen3.5 family)
+ARCHS = ("qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+MOE_ARCHS = ("qwen3_5_moe", "qwen3_next")  # routed experts + a sigmoid-gated shared expert
+HYBRID_ARCHS = ("qwen3_5",) + MOE_ARCHS  # Gated DeltaNet + gated full attention (Qwen3.5 / Qwen3-Next family)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -143,10 +144,32 @@ class ModelConfig:
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # ---- MoE (arch qwen3_5_moe / qwen3_next): megatron-core MoELayer, softmax router, top-k,
+    # a shared expert scaled by sigmoid(x·g) (HF's shared_expert_gate). The MTP layer is MoE too.
+    num_moe_experts: Optional[int] = None  # HF num_experts
+    moe_router_topk: int = 2  # HF num_experts_per_tok
+    moe_ffn_hidden_size: Optional[int] = None  # HF moe_intermediate_size (per expert)
+    moe_shared_expert_intermediate_size: Optional[int] = None  # HF shared_expert_intermediate_size
+    moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (always on in Qwen3.5-MoE)
+    moe_layer_freq: int = 1  # HF decoder_sparse_step: layer i is MoE when (i+1) % freq == 0 ...
+    mlp_only_layers: Optional[list] = None  # ... and i is not listed here (dense MLP, ffn_hidden_size)
+    moe_aux_loss_coeff: float = 0.0  # load-balancing aux loss (HF router_aux_loss_coef); 0: none
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather (both run on CPU with EP=1)
+    moe_grouped_gemm: bool = True  # Transformer Engine grouped GEMM experts (GPU); local spec: sequential
 
     @property
     def hybrid(self) -> bool:
         return self.arch in HYBRID_ARCHS
+
+    @property
+    def moe(self) -> bool:
+        return self.arch in MOE_ARCHS
+
+    def moe_layer_pattern(self) -> list:
+        """Per decoder layer: True where the MLP is MoE (HF Qwen3-Next's rule)."""
+        skip = set(self.mlp_only_layers or ())
+        freq = max(int(self.moe_layer_freq), 1)
+        return [self.moe and i not in skip and (i + 1) % freq == 0 for i in range(self.num_layers)]
 
     def resolved_layer_types(self) -> list:
         """Per-layer token mixer of a hybrid model (HF's ``layer_types``)."""
@@ -179,6 +202,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1  # EP (MoE archs): experts split over this many DP ranks
     micro_batch_size: int = 4
     global_batch_size: int = 8
     force_cpu: bool = False
@@ -412,6 +436,7 @@ class Config:
             errors.append(f"num_layers {m.num_layers} not divisible by PP {pp}")
         if m.hybrid:
             errors += _validate_hybrid(m, tp)
+        errors += _validate_moe(m, p, world_size)
         if p.sequence_parallel and tp == 1:
             errors.append("sequence_parallel needs TP > 1")
         if self.data.seq_length > m.max_position_embeddings:
@@ -554,6 +579,43 @@ def _validate_hybrid(m: ModelConfig, tp: int) -> list[str]:
         errors.append(f"model.partial_rotary_factor must be in (0, 1], got {m.partial_rotary_factor}")
     if m.fp8:
         errors.append("model.fp8 is not supported for the hybrid (Gated DeltaNet) archs yet")
+    return errors
+
+
+def _validate_moe(m: ModelConfig, p: "ParallelConfig", world_size: Optional[int]) -> list[str]:
+    errors = []
+    ep = p.expert_model_parallel_size
+    if ep < 1:
+        errors.append(f"parallel.expert_model_parallel_size must be >= 1, got {ep}")
+        return errors
+    if not m.moe:
+        if ep != 1:
+            errors.append(f"parallel.expert_model_parallel_size {ep} needs an MoE arch {MOE_ARCHS}")
+        return errors
+    if not m.num_moe_experts or m.num_moe_experts < 1:
+        errors.append(f"model.num_moe_experts must be >= 1 for arch {m.arch}")
+        return errors
+    if not 1 <= m.moe_router_topk <= m.num_moe_experts:
+        errors.append(f"model.moe_router_topk {m.moe_router_topk} not in [1, {m.num_moe_experts}]")
+    if not m.moe_ffn_hidden_size or m.moe_ffn_hidden_size % p.tensor_model_parallel_size:
+        errors.append(f"model.moe_ffn_hidden_size {m.moe_ffn_hidden_size} must be set and divisible by TP")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None and shared % p.tensor_model_parallel_size:
+        errors.append(f"model.moe_shared_expert_intermediate_size {shared} not divisible by TP")
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        errors.append("MoE with TP > 1 needs parallel.sequence_parallel: true (megatron-core's MoELayer refuses "
+                      "to train without it)")
+    if m.num_moe_experts % ep:
+        errors.append(f"model.num_moe_experts {m.num_moe_experts} not divisible by EP {ep}")
+    if world_size is not None:
+        mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if world_size % mp == 0 and (world_size // mp) % ep:
+            errors.append(f"data-parallel size {world_size // mp} not divisible by EP {ep}")
+    if m.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+        errors.append(f"model.moe_token_dispatcher_type must be alltoall|allgather, got {m.moe_token_dispatcher_type!r}")
+    if m.moe_router_topk == 1 and m.moe_norm_topk_prob:
+        errors.append("model.moe_router_topk 1 with moe_norm_topk_prob: megatron-core refuses softmax after a "
+                      "top-1 selection; set moe_norm_topk_prob false")
     return errors
 
 

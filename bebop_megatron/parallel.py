@@ -25,6 +25,7 @@ def initialize_distributed(
     seed: int = 1234,
     force_cpu: bool = False,
     timeout_s: int = 600,
+    expert_model_parallel_size: int = 1,
 ) -> Platform:
     """Initialise torch.distributed (env:// from torchrun, or a single local process) and
     megatron-core's model-parallel groups, then seed the model-parallel RNG tracker."""
@@ -45,6 +46,7 @@ def initialize_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return platform

@@ -120,6 +120,12 @@ def enable_cpu_compat() -> bool:
     from megatron.core.optimizer import optimizer as moptimizer
 
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    # MoE router: megatron-core 0.16.1 tests ``te_general_gemm is not None`` but binds the name only
+    # when Transformer Engine imports; unbound, the router's torch matmul path is taken.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _COMPAT_ENABLED = True
     return True
 

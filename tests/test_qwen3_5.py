@@ -125,6 +125,7 @@ def _megatron_logits(rank, world, ckpt_root, tp, gamma):
     ckpt = latest_checkpoint(ckpt_root)
     cfg = Config.from_dict(checkpoint_config(ckpt))
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, 1
+    cfg.parallel.sequence_parallel = False  # activations' layout only (11 tokens do not split); same weights
     cfg.model.mtp_num_layers = gamma
     platform = initialize_distributed(tp, 1, seed=77)
     model = build_model(cfg, platform)

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from bebop_megatron.config import Config, ConfigError, ModelConfig
+from bebop_megatron.config import HYBRID_ARCHS, MOE_ARCHS, Config, ConfigError, ModelConfig
 from bebop_megatron.convert.layout import ConversionError, Shapes, hf_config, recipe_for
 
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq", "shared_head.head.weight")
@@ -81,16 +81,16 @@ def hf_arch(cfg: dict) -> str:
     mt = cfg.get("model_type", "")
     if mt in ("qwen3_5", "qwen3_5_text") or any(a.startswith("Qwen3_5For") for a in archs):
         return "qwen3_5"
-    if mt in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next") or any(
-            a.startswith(("Qwen3_5MoeFor", "Qwen3NextFor")) for a in archs):
-        raise ConversionError(f"{archs or mt!r}: Qwen3.5-MoE / Qwen3-Next conversion is not implemented yet "
-                              "(dense Qwen3.5 is)")
+    if mt in ("qwen3_5_moe", "qwen3_5_moe_text") or any(a.startswith("Qwen3_5MoeFor") for a in archs):
+        return "qwen3_5_moe"
+    if mt == "qwen3_next" or any(a.startswith("Qwen3NextFor") for a in archs):
+        return "qwen3_next"
     if mt == "qwen3" or any(a.startswith("Qwen3ForCausalLM") for a in archs):
         return "qwen3"
     if mt == "qwen2" or any(a.startswith("Qwen2ForCausalLM") for a in archs):
         return "qwen2"
     raise ConversionError(f"unsupported architecture {archs or mt!r}: bebop converts Qwen2 / Qwen3 / "
-                          "Qwen3.5 dense models")
+                          "Qwen3.5 / Qwen3.5-MoE / Qwen3-Next models")
 
 
 def hf_mtp_layout(cfg: dict) -> tuple[Optional[str], int]:
@@ -115,7 +115,8 @@ def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: 
     heads = cfg["num_attention_heads"]
     m = ModelConfig(
         arch=arch, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads,
+        # Qwen3.5-MoE has no dense MLP (no intermediate_size): any positive value, unused
+        ffn_hidden_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size"), num_attention_heads=heads,
         num_query_groups=cfg.get("num_key_value_heads", heads), kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"], make_vocab_size_divisible_by=vocab_multiple,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -125,7 +126,7 @@ def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: 
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), mtp_num_layers=gamma,
         mtp_recurrent=layout == "qwen3_next",
     )
-    if arch == "qwen3_5":
+    if arch in HYBRID_ARCHS:
         m.qk_layernorm, m.add_qkv_bias = True, bool(cfg.get("attention_bias", False))
         m.layer_types = list(cfg["layer_types"]) if cfg.get("layer_types") else None
         m.full_attention_interval = int(cfg.get("full_attention_interval", 4))
@@ -134,6 +135,14 @@ def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: 
                   "linear_num_value_heads"):
             if cfg.get(k) is not None:
                 setattr(m, k, int(cfg[k]))
+    if arch in MOE_ARCHS:
+        m.num_moe_experts, m.moe_router_topk = int(cfg["num_experts"]), int(cfg["num_experts_per_tok"])
+        m.moe_ffn_hidden_size = int(cfg["moe_intermediate_size"])
+        m.moe_shared_expert_intermediate_size = int(cfg.get("shared_expert_intermediate_size") or 0) or None
+        # Qwen3.5-MoE always renormalises the top-k weights; Qwen3-Next per norm_topk_prob
+        m.moe_norm_topk_prob = bool(cfg.get("norm_topk_prob", True)) if arch == "qwen3_next" else True
+        m.moe_layer_freq = int(cfg.get("decoder_sparse_step") or 1)
+        m.mlp_only_layers = list(cfg.get("mlp_only_layers") or []) or None
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
     m.params_dtype = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
     c = Config(model=m)
@@ -144,11 +153,30 @@ def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: 
 # ------------------------------------------------------------------ megatron <- HF
 
 
-def _global_name(name: str, layer_offset: int) -> str:
+def _global_name(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """Global layer (PP) and expert (EP) indices of a rank-local parameter name."""
+    if expert_offset:
+        from bebop_megatron.convert.layout import expert_suffix, parse_expert
+
+        head, sep, tail = name.partition("mlp.experts.")
+        ex = parse_expert("mlp.experts." + tail) if sep else None
+        if ex is not None:
+            name = head + expert_suffix(ex[0] + expert_offset, ex[1], grouped="local_experts" not in tail)
     if name.startswith("decoder.layers."):
         i, rest = name[len("decoder.layers."):].split(".", 1)
         return f"decoder.layers.{int(i) + layer_offset}.{rest}"
     return name
+
+
+def _expert_offset(model) -> int:
+    """Global index of this rank's first expert (expert parallelism)."""
+    from megatron.core import parallel_state
+
+    n = getattr(model.config, "num_moe_experts", None)
+    if not n:
+        return 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (n // ep)
 
 
 def load_hf_into_model(model, hf: LazyHF, shapes: Shapes) -> dict:
@@ -163,6 +191,7 @@ def load_hf_into_model(model, hf: LazyHF, shapes: Shapes) -> dict:
     from bebop_megatron.model.tp_layout import shard_tensor
 
     offset = get_transformer_layer_offset(model.config)
+    e_offset = _expert_offset(model)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     gated = model.config.gated_linear_unit
@@ -170,7 +199,7 @@ def load_hf_into_model(model, hf: LazyHF, shapes: Shapes) -> dict:
     available = hf.keys()
     consumed, fresh = set(), []
     for name, param in model.named_parameters():
-        gname = _global_name(name, offset)
+        gname = _global_name(name, offset, e_offset)
         recipe = recipe_for(gname, shapes)
         if recipe is None:
             if gname == "output_layer.weight" and shapes.tie:
@@ -195,9 +224,10 @@ def load_hf_into_model(model, hf: LazyHF, shapes: Shapes) -> dict:
 
 def unexpected_hf_tensors(hf: LazyHF, shapes: Shapes) -> list[str]:
     """HF tensors no megatron parameter would consume (checked once, before converting)."""
-    layer_sfx = _LAYER_SUFFIXES + (_GDN_SUFFIXES if shapes.hybrid else ())
+    layer_sfx = _LAYER_SUFFIXES + (_GDN_SUFFIXES if shapes.hybrid else ()) + _moe_suffixes(shapes)
+    mtp_sfx = _MTP_SUFFIXES + tuple("transformer_layer." + s for s in _moe_suffixes(shapes))
     names = {f"decoder.layers.{i}.{sfx}" for i in range(shapes.num_layers) for sfx in layer_sfx}
-    names |= {f"mtp.layers.{k}.{sfx}" for k in range(shapes.mtp_modules) for sfx in _MTP_SUFFIXES}
+    names |= {f"mtp.layers.{k}.{sfx}" for k in range(shapes.mtp_modules) for sfx in mtp_sfx}
     names |= {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"}
     used = set()
     for n in names:
@@ -217,6 +247,16 @@ _LAYER_SUFFIXES = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_a
 _GDN_SUFFIXES = ("self_attention.in_proj.weight", "self_attention.in_proj.layer_norm_weight",
                  "self_attention.conv1d.weight", "self_attention.A_log", "self_attention.dt_bias",
                  "self_attention.out_norm.weight", "self_attention.out_proj.weight")
+def _moe_suffixes(shapes: Shapes) -> tuple:
+    if not shapes.moe:
+        return ()
+    from bebop_megatron.convert.layout import expert_suffix
+
+    return ("mlp.router.weight", "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight",
+            "mlp.shared_experts.linear_fc2.weight") + tuple(
+        expert_suffix(e, fc) for e in range(shapes.moe[0]) for fc in ("linear_fc1", "linear_fc2"))
+
+
 _MTP_SUFFIXES = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight") + tuple(
     "transformer_layer." + s for s in _LAYER_SUFFIXES)
 
@@ -247,6 +287,7 @@ def hf_to_megatron(hf_path: str | Path, output: str | Path, tp: int = 1, pp: int
     cfg = config_from_hf(hf.config, mtp_layers, vocab_multiple)
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     cfg.parallel.global_batch_size = cfg.parallel.micro_batch_size = 1
+    cfg.parallel.sequence_parallel = cfg.model.moe and tp > 1  # megatron-core trains MoE + TP only with SP
     cfg.model.padded_vocab = cfg.model.padded_vocab_size(tp)  # reshardable: same rows at any TP
     try:
         cfg.validate(world_size=tp * pp)
@@ -293,11 +334,12 @@ def iter_hf_tensors(model, shapes: Shapes) -> Iterator[tuple[str, Tensor]]:
     from megatron.core import parallel_state
 
     offset = get_transformer_layer_offset(model.config)
+    e_offset = _expert_offset(model)
     group = parallel_state.get_tensor_model_parallel_group()
     gated = model.config.gated_linear_unit
     seen: set[str] = set()
     for name, param in model.named_parameters():
-        gname = _global_name(name, offset)
+        gname = _global_name(name, offset, e_offset)
         if gname == "embedding.word_embeddings.weight" and not parallel_state.is_pipeline_first_stage():
             continue  # the MTP stage's copy of the (first-stage) embedding
         recipe = recipe_for(gname, shapes)
@@ -334,6 +376,7 @@ def _megatron_to_hf_worker(rank, world, ckpt, out_tmp, shard_bytes, dtype):
     # keep the saved vocabulary padding (megatron pads to a multiple of divisible_by * TP)
     cfg.model.padded_vocab = cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
+    cfg.parallel.sequence_parallel, cfg.parallel.expert_model_parallel_size = False, 1
     cfg.model.transformer_impl = "local"
     platform = initialize_distributed(1, 1, seed=0, force_cpu=True)
     model = build_model(cfg, platform, initialize=False)
@@ -367,7 +410,8 @@ def write_hf_folder(buckets: Iterable[dict[str, Tensor]], cfg: Config, shapes: S
     (out_tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
     m = cfg.model
     hc = hf_config(shapes, m.arch, m.rotary_base, m.norm_epsilon, m.max_position_embeddings)
-    hc["intermediate_size"] = m.ffn_hidden_size
+    if "intermediate_size" in hc:
+        hc["intermediate_size"] = m.ffn_hidden_size
     hc["torch_dtype"] = dtype
     if cfg.data.tokenizer == "char":  # the built-in tokenizer: let `bebop serve` pick it up
         from bebop_megatron.data import CharTokenizer

@@ -17,6 +17,13 @@ sync. Megatron names here are *full* (TP=1) tensors with *global* layer indices;
   [q_g.., gate_g.., k_g, v_g] per group; GDN ``in_proj`` = [in_proj_qkv; in_proj_z; in_proj_b;
   in_proj_a]; all norms map 1:1 (both sides zero-centred; GDN's output norm plain on both sides);
   multimodal checkpoints prefix the decoder with ``model.language_model.`` (``hf_prefix``).
+* Qwen3-Next: GDN ``in_proj_qkvz`` rows are [q_h, k_h, v_h.., z_h..] per key head h and
+  ``in_proj_ba`` [b_h.., a_h..] per key head; megatron's ``in_proj`` is [q, k, v, z, β, α] whole.
+* MoE (Qwen3.5-MoE / Qwen3-Next): ``mlp.router`` <-> ``mlp.gate``; expert e's ``linear_fc1``
+  (local ``experts.local_experts.e`` or Transformer Engine's grouped ``experts.linear_fc1.weight<e>``)
+  = [gate_proj; up_proj] of HF's ``mlp.experts.e``, ``linear_fc2`` = ``down_proj``; the shared
+  expert (``mlp.shared_experts``) <-> ``mlp.shared_expert`` and its ``gate_weight`` <->
+  ``mlp.shared_expert_gate.weight``. Expert indices here are global (EP offsets are the callers').
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from bebop_megatron.config import HYBRID_ARCHS
+import re
+
+from bebop_megatron.config import HYBRID_ARCHS, MOE_ARCHS
 
 
 class ConversionError(ValueError):
@@ -55,6 +64,9 @@ class Shapes:
     layer_types: tuple = ()
     linear: tuple = ()  # (key_head_dim, value_head_dim, num_key_heads, num_value_heads, conv_kernel)
     rotary_factor: float = 1.0
+    # MoE archs only: (num_experts, topk, moe_ffn, shared_ffn, norm_topk_prob, layer_freq, mlp_only_layers)
+    moe: tuple = ()
+    ffn_hidden_size: int = 0
 
     @classmethod
     def from_config(cls, cfg, tp: int = 1, mtp_layout: str = "deepseek", hf_prefix: str = "model.") -> "Shapes":
@@ -68,7 +80,11 @@ class Shapes:
                    tuple(m.resolved_layer_types()) if hybrid else (),
                    (m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_key_heads,
                     m.linear_num_value_heads, m.linear_conv_kernel_dim) if hybrid else (),
-                   float(m.partial_rotary_factor))
+                   float(m.partial_rotary_factor),
+                   moe=(m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
+                        m.moe_shared_expert_intermediate_size, bool(m.moe_norm_topk_prob), int(m.moe_layer_freq),
+                        tuple(m.mlp_only_layers or ())) if m.arch in MOE_ARCHS else (),
+                   ffn_hidden_size=m.ffn_hidden_size)
 
     @property
     def hybrid(self) -> bool:
@@ -128,6 +144,25 @@ def gdn_in_proj_sizes(s: Shapes) -> list[int]:
     return [2 * dk * nk + dv * nv, dv * nv, nv, nv]
 
 
+def gdn_qkvz_ba_to_megatron(qkvz: Tensor, ba: Tensor, s: Shapes) -> Tensor:
+    """Qwen3-Next's per-key-head interleaved ``in_proj_qkvz`` / ``in_proj_ba`` -> megatron's
+    [q, k, v, z, β, α] ``in_proj``."""
+    dk, dv, nk, nv, _ = s.linear
+    r = nv // nk
+    tail = qkvz.shape[1:]
+    q, k, v, z = torch.split(qkvz.reshape(nk, 2 * dk + 2 * r * dv, *tail), [dk, dk, r * dv, r * dv], dim=1)
+    b, a = torch.split(ba.reshape(nk, 2 * r, *tail), [r, r], dim=1)
+    return torch.cat([x.reshape(-1, *tail) for x in (q, k, v, z, b, a)], 0)
+
+
+def gdn_qkvz_ba_from_megatron(w: Tensor, s: Shapes) -> list[Tensor]:
+    dk, dv, nk, nv, _ = s.linear
+    tail = w.shape[1:]
+    q, k, v, z, b, a = (x.reshape(nk, -1, *tail) for x in
+                        torch.split(w, [nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], 0))
+    return [torch.cat([q, k, v, z], 1).reshape(-1, *tail), torch.cat([b, a], 1).reshape(-1, *tail)]
+
+
 def pad_vocab(t: Tensor, s: Shapes) -> Tensor:
     if t.shape[0] == s.padded_vocab_size:
         return t
@@ -173,11 +208,59 @@ _GDN_1TO1 = {
 }
 
 
+# MoE MLP (megatron-core ``MoELayer``) <-> HF ``SparseMoeBlock``
+_MOE_1TO1 = {
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+}
+_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+
+
+def expert_suffix(e: int, fc: str, grouped: bool = False) -> str:
+    """megatron suffix of expert ``e``'s fc1/fc2 weight (sequential or TE-grouped experts)."""
+    return f"mlp.experts.{fc}.weight{e}" if grouped else f"mlp.experts.local_experts.{e}.{fc}.weight"
+
+
+def parse_expert(suffix: str) -> Optional[tuple[int, str]]:
+    """(expert index, "linear_fc1" | "linear_fc2") of an expert weight suffix, else None."""
+    mt = _EXPERT.match(suffix)
+    if mt is None:
+        return None
+    if mt.group(1) is not None:
+        return int(mt.group(1)), mt.group(2)
+    return int(mt.group(4)), mt.group(3)
+
+
+def _gate_up(names: list[str]) -> Recipe:
+    return Recipe(names, lambda t: torch.cat(t, 0), lambda t: list(torch.chunk(t, 2, 0)))
+
+
+def _moe_recipe(suffix: str, hf_prefix: str) -> Optional[Recipe]:
+    if suffix in _MOE_1TO1:
+        return Recipe([hf_prefix + _MOE_1TO1[suffix]], lambda t: t[0], lambda t: [t])
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        return _gate_up([hf_prefix + f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up")])
+    ex = parse_expert(suffix)
+    if ex is None:
+        return None
+    e, fc = ex
+    if fc == "linear_fc1":
+        return _gate_up([hf_prefix + f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up")])
+    return Recipe([hf_prefix + f"mlp.experts.{e}.down_proj.weight"], lambda t: t[0], lambda t: [t])
+
+
 def _layer_recipe(suffix: str, hf_prefix: str, s: Shapes) -> Optional[Recipe]:
+    if s.moe and suffix.startswith(("mlp.router.", "mlp.experts.", "mlp.shared_experts.")):
+        return _moe_recipe(suffix, hf_prefix)
     if suffix in _LAYER_1TO1:
         return Recipe([hf_prefix + _LAYER_1TO1[suffix]], lambda t: t[0], lambda t: [t])
     if s.hybrid and suffix in _GDN_1TO1:
         return Recipe([hf_prefix + _GDN_1TO1[suffix]], lambda t: t[0], lambda t: [t])
+    if s.arch == "qwen3_next" and suffix == "self_attention.in_proj.weight":
+        names = [hf_prefix + f"linear_attn.in_proj_{p}.weight" for p in ("qkvz", "ba")]
+        return Recipe(names, lambda t: gdn_qkvz_ba_to_megatron(t[0], t[1], s),
+                      lambda t: gdn_qkvz_ba_from_megatron(t, s))
     if s.hybrid and suffix == "self_attention.in_proj.weight":
         names = [hf_prefix + f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")]
         return Recipe(names, lambda t: torch.cat(t, 0), lambda t: list(torch.split(t, gdn_in_proj_sizes(s), 0)))
@@ -248,6 +331,14 @@ def hf_config(s: Shapes, arch: str, rope_theta: float, norm_eps: float, max_pos:
         "tie_word_embeddings": s.tie, "attention_bias": s.qkv_bias, "torch_dtype": "float32",
         "eos_token_id": eos_token_id, "bebop_mtp_hidden": "normed",
     }
+    if s.moe:
+        n, k, ffn, shared, norm_topk, freq, mlp_only = s.moe
+        cfg.update(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=ffn,
+                   shared_expert_intermediate_size=shared or 0, router_aux_loss_coef=0.001)
+        if s.arch == "qwen3_next":
+            cfg.update(norm_topk_prob=norm_topk, decoder_sparse_step=freq, mlp_only_layers=list(mlp_only))
+        else:
+            cfg.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP
     _mtp_keys(cfg, s)
     return cfg
 
@@ -261,11 +352,18 @@ def _mtp_keys(cfg: dict, s: Shapes) -> None:
         cfg["bebop_mtp_draft_steps"] = s.mtp_layers  # γ the module was trained for
 
 
+_HF_CLASSES = {"qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+               "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+               "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next")}
+
+
 def _hybrid_hf_config(s: Shapes, rope_theta: float, norm_eps: float, max_pos: int, eos_token_id) -> dict:
-    """transformers' ``Qwen3_5TextConfig`` (text-only ``Qwen3_5ForCausalLM``)."""
+    """transformers' ``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig`` / ``Qwen3NextConfig`` (text-only
+    ``*ForCausalLM``)."""
     dk, dv, nk, nv, conv = s.linear
+    cls, model_type = _HF_CLASSES[s.arch]
     cfg = {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": s.vocab_size,
+        "architectures": [cls], "model_type": model_type, "vocab_size": s.vocab_size,
         "hidden_size": s.hidden_size, "intermediate_size": None, "num_hidden_layers": s.num_layers,
         "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_groups, "head_dim": s.head_dim,
         "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": norm_eps,
@@ -276,5 +374,13 @@ def _hybrid_hf_config(s: Shapes, rope_theta: float, norm_eps: float, max_pos: in
         "linear_value_head_dim": dv, "linear_num_key_heads": nk, "linear_num_value_heads": nv,
         "eos_token_id": eos_token_id, "bebop_mtp_hidden": "normed",
     }
+    if s.moe:
+        n, k, ffn, shared, norm_topk, freq, mlp_only = s.moe
+        cfg.update(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=ffn,
+                   shared_expert_intermediate_size=shared or 0, router_aux_loss_coef=0.001)
+        if s.arch == "qwen3_next":
+            cfg.update(norm_topk_prob=norm_topk, decoder_sparse_step=freq, mlp_only_layers=list(mlp_only))
+        else:
+            cfg.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP
     _mtp_keys(cfg, s)
     return cfg

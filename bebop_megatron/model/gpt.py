@@ -287,6 +287,10 @@ def build_transformer_config(cfg: Config, platform: Platform, use_te: bool,
         from bebop_megatron.model.qwen3_5 import hybrid_config_kwargs
 
         kwargs.update(hybrid_config_kwargs(m))
+    if m.moe:
+        from bebop_megatron.model.qwen3_5 import moe_config_kwargs
+
+        kwargs.update(moe_config_kwargs(m, p, use_te, on_gpu))
     if m.fp8:
         kwargs.update(
             fp8=m.fp8,
@@ -310,7 +314,7 @@ def build_model(cfg: Config, platform: Platform, initialize: bool = True) -> Beb
         from bebop_megatron.model.qwen3_5 import build_hybrid_block_spec, build_hybrid_mtp_block_spec
 
         layer_spec = build_hybrid_block_spec(m, tconf, use_te)
-        mtp_spec = build_hybrid_mtp_block_spec(tconf, use_te)
+        mtp_spec = build_hybrid_mtp_block_spec(tconf, use_te, moe=m.moe)
     else:
         layer_spec = build_layer_spec(cfg.model, use_te)
         mtp_spec = build_mtp_block_spec(tconf, layer_spec, use_te)

@@ -16,6 +16,13 @@ exception is Gated DeltaNet's output norm, whose HF weight is a plain gain: it i
 The MTP layer is a gated full-attention layer (HF's ``mtp.layers.0``) with zero-centred
 enorm / hnorm / final norm (``mtp.pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm``).
 
+MoE archs (``qwen3_5_moe``: Qwen3.5-MoE, ``qwen3_next``: Qwen3-Next) swap the layer's MLP for
+megatron-core's ``MoELayer`` (the GPT layer specs with ``num_experts``: softmax top-k router, sequential
+experts on the local spec / grouped-GEMM experts under Transformer Engine, a shared expert with its
+sigmoid gate, ``moe_shared_expert_gate``), per layer from ``ModelConfig.moe_layer_pattern`` (Qwen3-Next's
+``decoder_sparse_step`` / ``mlp_only_layers``); their MTP layer is an MoE layer too, as HF ships it.
+The two archs differ only in HF tensor layout (see ``convert/layout.py``) and ``norm_topk_prob``.
+
 megatron-core's hybrid block builder (``experimental_attention_variant_module_specs``) only
 supports Transformer Engine, so the per-layer specs are assembled here from its module-level
 helpers (``get_gated_delta_net_module_spec``) and the GPT layer specs.
@@ -112,6 +119,32 @@ def hybrid_config_kwargs(m) -> dict:
     )
 
 
+def moe_config_kwargs(m, p, use_te: bool, on_gpu: bool) -> dict:
+    """TransformerConfig fields of the MoE archs (Qwen3.5-MoE / Qwen3-Next), matching HF's
+    ``SparseMoeBlock``: ``softmax(x·Wᵣ)`` over all experts, top-k, the k weights renormalised when
+    ``norm_topk_prob`` (megatron: top-k of the logits, then softmax over those k: the same
+    numbers) or kept as they are (megatron: ``moe_router_pre_softmax``); plus the shared expert
+    ``sigmoid(x·g) · MLP(x)`` (``moe_shared_expert_gate``). megatron-core's all-to-all dispatcher
+    creates a CUDA stream, so CPU runs use the all-gather dispatcher (the same math at EP=1)."""
+    kw = dict(
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not m.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(m.moe_aux_loss_coeff),
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type if on_gpu else "allgather",
+        moe_grouped_gemm=bool(use_te and m.moe_grouped_gemm),
+        expert_model_parallel_size=p.expert_model_parallel_size,
+    )
+    if m.moe_shared_expert_intermediate_size:
+        kw.update(moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                  moe_shared_expert_gate=True)
+    return kw
+
+
 # ---------------------------------------------------------------------------- specs
 
 
@@ -130,20 +163,26 @@ def _zero_centre_local_norms(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
-def full_attention_layer_spec(use_te: bool) -> ModuleSpec:
-    """Gated full-attention layer (QK-norm; the output gate is ``config.attention_output_gate``)."""
+def full_attention_layer_spec(use_te: bool, tconf: TransformerConfig = None, moe: bool = False) -> ModuleSpec:
+    """Gated full-attention layer (QK-norm; the output gate is ``config.attention_output_gate``).
+    ``moe``: its MLP is megatron-core's ``MoELayer`` (router, experts, gated shared expert) as
+    built by the GPT layer specs for ``tconf.num_moe_experts``."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe_kw = {}
+    if moe:
+        moe_kw = dict(num_experts=tconf.num_moe_experts, moe_grouped_gemm=bool(use_te and tconf.moe_grouped_gemm))
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True, **moe_kw)
     from bebop_megatron.model.sdpa_attention import SDPAAttention
 
-    spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+    spec = copy.deepcopy(gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm",
+                                                                  **moe_kw))
     spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     return _zero_centre_local_norms(spec)
 
 
-def linear_attention_layer_spec(tconf: TransformerConfig, use_te: bool) -> ModuleSpec:
+def linear_attention_layer_spec(tconf: TransformerConfig, use_te: bool, moe: bool = False) -> ModuleSpec:
     """Gated DeltaNet layer: megatron-core's GDN module spec inside a ``TransformerLayer``."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -152,7 +191,7 @@ def linear_attention_layer_spec(tconf: TransformerConfig, use_te: bool) -> Modul
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 
     install_gated_delta_rule_fallback()
-    layer = copy.deepcopy(full_attention_layer_spec(use_te))
+    layer = copy.deepcopy(full_attention_layer_spec(use_te, tconf, moe))
     if use_te:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
         from megatron.core.transformer.identity_op import IdentityOp
@@ -179,12 +218,15 @@ def build_hybrid_block_spec(m, tconf: TransformerConfig, use_te: bool, vp_stage=
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    full = full_attention_layer_spec(use_te)
-    linear = linear_attention_layer_spec(tconf, use_te)
+    specs_by_kind = {}
+    for moe in {False, m.moe}:
+        specs_by_kind[FULL, moe] = full_attention_layer_spec(use_te, tconf, moe)
+        specs_by_kind[LINEAR, moe] = linear_attention_layer_spec(tconf, use_te, moe)
     types = m.resolved_layer_types()
+    moe_layers = m.moe_layer_pattern()
     offset = get_transformer_layer_offset(tconf, vp_stage=vp_stage)
     n = get_num_layers_to_build(tconf, vp_stage=vp_stage)
-    specs = [linear if t == LINEAR else full for t in types[offset:offset + n]]
+    specs = [specs_by_kind[types[i], moe_layers[i]] for i in range(offset, offset + n)]
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -194,12 +236,12 @@ def build_hybrid_block_spec(m, tconf: TransformerConfig, use_te: bool, vp_stage=
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)
 
 
-def build_hybrid_mtp_block_spec(tconf: TransformerConfig, use_te: bool):
-    """MTP block whose layer is a gated full-attention layer (Qwen3.5's ``mtp.layers.0``), with
-    zero-centred enorm / hnorm / final norm."""
+def build_hybrid_mtp_block_spec(tconf: TransformerConfig, use_te: bool, moe: bool = False):
+    """MTP block whose layer is a gated full-attention layer (Qwen3.5's ``mtp.layers.0``; an MoE
+    layer in Qwen3.5-MoE / Qwen3-Next), with zero-centred enorm / hnorm / final norm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    block = get_gpt_mtp_block_spec(tconf, full_attention_layer_spec(use_te), use_transformer_engine=use_te)
+    block = get_gpt_mtp_block_spec(tconf, full_attention_layer_spec(use_te, tconf, moe), use_transformer_engine=use_te)
     if block is None or use_te:
         return block
     specs = []

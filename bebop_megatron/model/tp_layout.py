@@ -13,6 +13,7 @@ section sizes, see ``model/qwen3_5.py``) are chunked section by section.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -20,8 +21,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+_FC1 = re.compile(r"linear_fc1\.(weight|bias)\d*$")  # \d*: Transformer Engine's grouped experts (weight<e>)
+
+
 def _is_gated_fc1(name: str, gated: bool) -> bool:
-    return gated and name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
+    return gated and _FC1.search(name) is not None
 
 
 def _sections(name: str, local: Tensor, gated: bool):

@@ -180,7 +180,8 @@ class RLTrainer:
         self.cfg = cfg
         r, p = cfg.rl, cfg.parallel
         self.platform = initialize_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                               seed=cfg.train.seed, force_cpu=p.force_cpu)
+                                               seed=cfg.train.seed, force_cpu=p.force_cpu,
+                                               expert_model_parallel_size=p.expert_model_parallel_size)
         cfg.validate(world_size=dist.get_world_size())
         from megatron.core import parallel_state as ps
 

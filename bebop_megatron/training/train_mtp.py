@@ -182,7 +182,8 @@ def train_mtp(cfg: Config) -> dict:
     """Run the whole ``train-mtp`` job; returns a summary (also written to summary.json)."""
     p = cfg.parallel
     platform = initialize_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                      seed=cfg.train.seed, force_cpu=p.force_cpu)
+                                      seed=cfg.train.seed, force_cpu=p.force_cpu,
+                                      expert_model_parallel_size=p.expert_model_parallel_size)
     cfg.validate(world_size=dist.get_world_size())
     out = Path(cfg.train.output_dir)
     if is_logging_rank():

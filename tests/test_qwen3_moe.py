@@ -1,0 +1,299 @@
+"""Qwen3.5-MoE and Qwen3-Next (hybrid Gated DeltaNet / gated attention with MoE MLPs) on megatron-core.
+
+* HF -> Megatron: megatron-core logits equal transformers' ``Qwen3_5MoeForCausalLM`` /
+  ``Qwen3NextForCausalLM`` (fp32, 1e-4) on tiny random models (4 experts, top-2, a gated shared
+  expert), and the recurrent MTP chain (an MoE layer, as HF ships ``mtp.layers.0``) equals a
+  reference written with transformers' own decoder layer; Qwen3-Next converted at TP=2 (sequence
+  parallel) and run at TP=1 and TP=2 (eval, no SP), with ``norm_topk_prob: false`` (megatron's pre-softmax router)
+  and a dense ``mlp_only_layers`` layer; Qwen3.5-MoE also at EP=2.
+* HF -> Megatron -> HF is bit-exact (per-expert tensors, router, shared expert and its gate,
+  Qwen3-Next's interleaved ``in_proj_qkvz`` / ``in_proj_ba``, one ``mtp.*`` module) and the export
+  loads back in transformers with identical logits.
+"""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.distributed import run_distributed
+from tests.test_qwen3_5 import IDS, _megatron_logits, hf_tensors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _classes(arch):
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm)
+
+        return Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    return Qwen3NextForCausalLM, Qwen3NextConfig, Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+
+def make_moe(path, arch, seed=0, tie=False):
+    """A tiny random HF model of ``arch`` (+ its MoE MTP layer ``mtp.*``) saved as a HF folder."""
+    model_cls, cfg_cls, _, _ = _classes(arch)
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=64, hidden_size=32, num_hidden_layers=len(LAYER_TYPES), num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, layer_types=list(LAYER_TYPES), linear_conv_kernel_dim=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=tie, num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if arch == "qwen3_next":  # the pre-softmax router and a dense MLP layer
+        kw.update(intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[0])
+    cfg = cfg_cls(**kw)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # plain gain
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))  # zero-centred (1 + w)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    full = LAYER_TYPES.index("full_attention")
+    layer = {k.split(".", 3)[3]: v for k, v in model.state_dict().items() if k.startswith(f"model.layers.{full}.")}
+    h = cfg.hidden_size
+    t = {"mtp.fc.weight": 0.2 * torch.randn(h, 2 * h, generator=g)}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        t[f"mtp.{n}.weight"] = 0.1 * torch.randn(h, generator=g)
+    for n, v in layer.items():
+        t["mtp.layers.0." + n] = (0.1 if "norm" in n else 0.2) * torch.randn(v.shape, generator=g)
+    # on disk, experts are per-expert tensors (transformers' save format for both archs)
+    on_disk = set(load_file(str(next(path.glob("*.safetensors")))))
+    t = _split_experts(t, on_disk)
+    save_file(t, str(path / "mtp.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    raw["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return model
+
+
+def _split_experts(t, on_disk):
+    """Fused in-memory expert tensors (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``) ->
+    the per-expert names of the saved checkpoint."""
+    assert any(".experts.0.gate_proj.weight" in k for k in on_disk), "expected per-expert tensors on disk"
+    out = {}
+    for k, v in t.items():
+        if k.endswith("experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            for e in range(v.shape[0]):
+                gate, up = v[e].chunk(2, 0)
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate.clone(), up.clone()
+        elif k.endswith("experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = v[e].clone()
+        else:
+            out[k] = v
+    return out
+
+
+def _fuse_experts(sd):
+    """Inverse of :func:`_split_experts` for one layer's state dict."""
+    out, experts = {}, {}
+    for k, v in sd.items():
+        if ".experts." in k and k.endswith("_proj.weight"):
+            base, rest = k.split(".experts.", 1)
+            e, proj = rest.split(".", 1)
+            experts.setdefault(base, {}).setdefault(int(e), {})[proj.split(".")[0]] = v
+        else:
+            out[k] = v
+    for base, per in experts.items():
+        n = len(per)
+        out[f"{base}.experts.gate_up_proj"] = torch.stack([torch.cat([per[e]["gate_proj"], per[e]["up_proj"]])
+                                                           for e in range(n)])
+        out[f"{base}.experts.down_proj"] = torch.stack([per[e]["down_proj"] for e in range(n)])
+    return out
+
+
+def mtp_reference(model, arch, mtp_sd, ids, gamma):
+    """Recurrent MTP written with transformers' decoder layer of ``arch``: depth-k logits [b, s, V]."""
+    _, _, layer_cls, norm_cls = _classes(arch)
+    cfg = copy.deepcopy(model.config)
+    cfg.layer_types = ["full_attention"]
+    if hasattr(cfg, "mlp_only_layers"):
+        cfg.mlp_only_layers = []
+    layer = layer_cls(cfg, 0).float().eval()
+    layer.load_state_dict(_fuse_experts({k[len("mtp.layers.0."):]: v for k, v in mtp_sd.items()
+                                         if k.startswith("mtp.layers.0.")}))
+    norms = {}
+    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[n] = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[n].weight.data.copy_(mtp_sd[f"mtp.{n}.weight"])
+    fc = mtp_sd["mtp.fc.weight"]
+    with torch.no_grad():
+        h = model.model(ids).last_hidden_state
+        s = ids.shape[1]
+        pos = torch.arange(s).expand(ids.shape[0], -1)
+        cos_sin = model.model.rotary_emb(h, pos)
+        mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+        shifted = ids
+        logits = []
+        for _ in range(gamma):
+            shifted = torch.roll(shifted, -1, dims=1)
+            shifted[:, -1] = 0  # megatron's roll_tensor zero-fills
+            emb = model.model.embed_tokens(shifted)
+            x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](h)], -1) @ fc.t()
+            x = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
+            if isinstance(x, tuple):
+                x = x[0]
+            h = norms["norm"](x)
+            logits.append(model.lm_head(h))
+    return logits
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def moe_model(request, tmp_path_factory):
+    from bebop_megatron.convert.hf_megatron import hf_to_megatron
+
+    arch = request.param
+    d = tmp_path_factory.mktemp(arch)
+    model = make_moe(d / "hf", arch)
+    with torch.no_grad():
+        ref = model(IDS).logits
+    # Qwen3-Next converts at TP=2 (experts, shared expert and GDN sections split per rank; sequence
+    # parallelism on, as megatron-core's MoE needs with TP): the tests below then reshard it to TP=1,
+    # run it at TP=2 (without SP: 11 tokens) and export it from TP=2
+    tp = 2 if arch == "qwen3_next" else 1
+    res = hf_to_megatron(d / "hf", d / "mc", tp=tp)
+    assert res["mtp_recurrent"] and not res["fresh_mtp_layers"] and res["tp"] == tp
+    cfg = json.loads((d / "mc" / "bebop_config.json").read_text())
+    assert cfg["parallel"]["sequence_parallel"] is (tp > 1)
+    return arch, d, model, ref
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_megatron_logits_and_mtp_equal_transformers(moe_model, tp):
+    arch, d, model, ref = moe_model
+    if tp == 2 and arch != "qwen3_next":
+        pytest.skip("TP=2 is checked on one MoE arch (2 CPU cores)")
+    gamma = 2
+    main, mtp, names = run_distributed(_megatron_logits, tp, str(d / "mc"), tp, gamma)[0]
+    assert (main - ref).abs().max() < 1e-4, (main - ref).abs().max()
+    assert names and all(n.startswith("mtp.layers.0.") for n in names)
+    assert any(".mlp.router." in n for n in names)  # the MTP layer is an MoE layer
+    mtp_ref = mtp_reference(model, arch, load_file(str(d / "hf" / "mtp.safetensors")), IDS, gamma)
+    s = IDS.shape[1]
+    for k in range(gamma):
+        diff = (mtp[k][:, : s - k - 1] - mtp_ref[k][:, : s - k - 1]).abs().max()
+        assert diff < 1e-4, (k, diff)
+
+
+def test_moe_round_trip_is_bit_exact_and_loads_in_transformers(moe_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from bebop_megatron.convert.hf_megatron import megatron_to_hf
+
+    arch, d, model, ref = moe_model
+    megatron_to_hf(d / "mc", tmp_path / "back")
+    src, back = hf_tensors(d / "hf"), hf_tensors(tmp_path / "back")
+    assert set(back) == set(src)
+    for n, t in src.items():
+        assert torch.equal(back[n], t), n
+    cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert cfg["mtp_num_hidden_layers"] == 1 and cfg["num_experts"] == 4 and cfg["num_experts_per_tok"] == 2
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(hf).__name__ == type(model).__name__
+    if arch == "qwen3_next":
+        assert hf.config.norm_topk_prob is False and list(hf.config.mlp_only_layers) == [0]
+    with torch.no_grad():
+        assert torch.equal(hf(IDS).logits, ref)
+
+
+def test_35b_a3b_preset_matches_transformers_defaults_and_ep_validates():
+    """configs/qwen3p5_35b_a3b*.yaml carry transformers' Qwen3_5MoeTextConfig defaults (documented as
+    the Qwen3.5-35B-A3B shape); EP must divide the experts and the data-parallel size."""
+    from pathlib import Path
+
+    from transformers import Qwen3_5MoeTextConfig
+
+    from bebop_megatron.config import Config, ConfigError
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    hf = Qwen3_5MoeTextConfig()
+    for name, ep in (("qwen3p5_35b_a3b.yaml", 4), ("qwen3p5_35b_a3b_4x8.yaml", 8)):
+        cfg = Config.load(root / name)
+        m = cfg.model
+        assert (m.arch, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels,
+                m.vocab_size, m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
+                m.moe_shared_expert_intermediate_size, m.linear_num_key_heads, m.linear_num_value_heads,
+                m.linear_key_head_dim, m.linear_value_head_dim, m.tie_word_embeddings) == (
+            "qwen3_5_moe", hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+            hf.head_dim, hf.vocab_size, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+            hf.shared_expert_intermediate_size, hf.linear_num_key_heads, hf.linear_num_value_heads,
+            hf.linear_key_head_dim, hf.linear_value_head_dim, hf.tie_word_embeddings)
+        assert m.resolved_layer_types() == list(hf.layer_types) and all(m.moe_layer_pattern())
+        assert cfg.parallel.expert_model_parallel_size == ep
+        cfg.validate(world_size=cfg.launch.trainer_world_size)
+    with pytest.raises(ConfigError, match="num_moe_experts 256 not divisible by EP 3"):
+        Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.expert_model_parallel_size=3"]).validate(world_size=4)
+    with pytest.raises(ConfigError, match="data-parallel size 4 not divisible by EP 8"):
+        Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.expert_model_parallel_size=8"]).validate(world_size=4)
+    with pytest.raises(ConfigError, match="needs parallel.sequence_parallel"):
+        Config.load(root / "qwen3p5_35b_a3b.yaml", ["parallel.tensor_model_parallel_size=2"]).validate(world_size=4)
+    with pytest.raises(ConfigError, match="needs an MoE arch"):
+        Config.load(root / "qwen3p5_9b.yaml", ["parallel.expert_model_parallel_size=2"]).validate(world_size=4)
+
+
+def _ep_worker(rank, world, hf_dir, ckpt_dir):
+    from bebop_megatron.checkpointing import save_checkpoint
+    from bebop_megatron.convert.hf_megatron import LazyHF, config_from_hf, load_hf_into_model
+    from bebop_megatron.convert.layout import Shapes
+    from bebop_megatron.model import build_model
+    from bebop_megatron.parallel import initialize_distributed
+
+    hf = LazyHF(hf_dir)
+    cfg = config_from_hf(hf.config)
+    cfg.parallel.expert_model_parallel_size = world
+    cfg.model.transformer_impl = "local"
+    platform = initialize_distributed(1, 1, seed=3, expert_model_parallel_size=world)
+    model = build_model(cfg, platform)
+    info = load_hf_into_model(model, hf, Shapes.from_config(cfg, 1, "qwen3_next", hf.prefix))
+    model.eval()
+    pos = torch.arange(IDS.shape[1]).expand_as(IDS)
+    with torch.no_grad():
+        logits = model(IDS, pos, None)[..., : cfg.model.vocab_size]
+    experts = sorted({n.split(".experts.", 1)[1] for n in info["consumed"] if ".experts." in n})
+    local = sum(1 for n, _ in model.named_parameters() if n.startswith("decoder.layers.0.mlp.experts."))
+    save_checkpoint(ckpt_dir, 0, model, extra={"config": json.dumps(cfg.to_dict()), "consumed_samples": 0})
+    return logits, experts, local
+
+
+def test_moe_expert_parallel_loads_global_experts_and_equals_transformers(moe_model, tmp_path):
+    """EP=2 (2 CPU ranks, DP=2): each rank holds half the experts, loaded by global index, and the
+    all-gather dispatcher reproduces transformers' logits; the EP=2 checkpoint exports (at EP=1)
+    bit-exactly."""
+    from bebop_megatron.convert.hf_megatron import megatron_to_hf
+
+    arch, d, _, ref = moe_model
+    if arch != "qwen3_5_moe":
+        pytest.skip("EP is checked on one MoE arch (2 CPU cores)")
+    out = run_distributed(_ep_worker, 2, str(d / "hf"), str(tmp_path / "ep2"))
+    for logits, _, local in out:
+        assert (logits - ref).abs().max() < 1e-4, (logits - ref).abs().max()
+        assert local == 2 * 2  # 2 of 4 experts, fc1 + fc2 each
+    e0 = {n.split(".")[0] for n in out[0][1]}
+    e1 = {n.split(".")[0] for n in out[1][1]}
+    assert e0 == {"0", "1"} and e1 == {"2", "3"}, (e0, e1)
+    megatron_to_hf(tmp_path / "ep2", tmp_path / "back")
+    src, back = hf_tensors(d / "hf"), hf_tensors(tmp_path / "back")
+    assert set(back) == set(src)
+    for n, t in src.items():
+        assert torch.equal(back[n], t), n
+
