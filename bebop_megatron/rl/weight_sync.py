@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from bebop_megatron.config import Config
+from bebop_megatron.config import MOE_ARCHS, Config
 from bebop_megatron.convert.hf_megatron import iter_hf_buckets
 from bebop_megatron.convert.layout import Shapes
 from bebop_megatron.rollout.engine import Engine
@@ -21,6 +21,10 @@ def rollout_model_for(cfg: Config, dtype=None) -> CausalLMWithMTP:
     import torch
 
     m = cfg.model
+    if m.arch in MOE_ARCHS:
+        raise NotImplementedError(
+            f"the embedded rollout engine has no MoE layers yet (model.arch={m.arch!r}); roll out with "
+            "SGLang servers (rl.servers / launch.rollout_engine: sglang)")
     lm = LMConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
                   num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                   num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, rms_norm_eps=m.norm_epsilon,
