@@ -13,3 +13,42 @@ def _no_distributed_leak():
     from bebop_megatron.parallel import destroy_distributed
 
     destroy_distributed()
+
+
+# Markers (registered in pytest.ini), kept in one place: `-m "not multiprocess"` runs the in-process
+# tests only (a few minutes), `-m "not slow"` skips the long end-to-end runs.
+MULTIPROCESS_MODULES = {  # every test here spawns processes: gloo ranks, `bebop` CLI runs, real servers
+    "test_bridge", "test_convert", "test_distributed_weight_sync", "test_launch", "test_local_workers",
+    "test_parallel", "test_qwen3_5", "test_qwen3_moe", "test_rl", "test_rl_faults", "test_rl_ppo",
+    "test_rl_run", "test_server", "test_server_fuzz", "test_sglang_types", "test_train_mtp",
+    "test_weight_sync",
+}
+SLOW_TESTS = {  # > ~30 s on 2 quiet CPU cores (pytest --durations)
+    "test_rl_run.py::test_rl_improves_reward_on_synthetic_task",
+    "test_rl_run.py::test_sync_run_exit_and_resume",
+    "test_rl_run.py::test_disk_weight_sync",
+    "test_rl_run.py::test_killed_trainer_resumes_without_duplicated_or_skipped_steps",
+    "test_server_fuzz.py::test_fuzz_server",
+    "test_server_fuzz.py::test_bad_requests_fail_alone_good_ones_finish",
+    "test_train_mtp.py::test_kill_and_resume_equals_uninterrupted",
+    "test_train_mtp.py::test_train_mtp_raises_acceptance_and_only_touches_mtp",
+    "test_rl.py::test_strategies_tp2",
+    "test_rl.py::test_strategies_update_only_what_they_should",
+    "test_rl_ppo.py::test_rl_pipeline_parallel_2",
+    "test_rl_faults.py::test_rollout_server_killed_mid_batch_loses_no_sample",
+    "test_launch.py::test_gpu_check_cpu_smoke",
+    "test_engine_hybrid.py::test_greedy_speculation_equals_plain_decoding",
+    "test_engine_hybrid.py::test_rejection_sampling_joint_law_matches_target",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    names = {f"{it.path.name}::{it.originalname}" for it in items}
+    stale = {n for n in SLOW_TESTS if n.split("::")[0] in {it.path.name for it in items} and n not in names}
+    if stale:  # a renamed test must not silently lose its marker
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests that do not exist: {sorted(stale)}")
+    for it in items:
+        if it.path.stem in MULTIPROCESS_MODULES:
+            it.add_marker(pytest.mark.multiprocess)
+        if f"{it.path.name}::{it.originalname}" in SLOW_TESTS:
+            it.add_marker(pytest.mark.slow)

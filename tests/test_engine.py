@@ -344,3 +344,55 @@ def test_serve_speculative_token_map_option(qwen3_dir, tmp_path):
         server.worker.stop()
     with pytest.raises(SystemExit, match="token-map"):
         build_server(p.parse_args(base + ["--speculative-token-map", str(tmp_path / "nope.pt")]))
+
+
+class _FixedAlpha(list):
+    """Per-depth acceptance the engine cannot update."""
+
+    def __setitem__(self, k, v) -> None:
+        pass
+
+
+class _CostClock:
+    """A fake cost clock for adaptive γ: a round at γ costs ``cost(γ)`` (the engine reads the clock
+    before and after each round), so the choice is tested without timing anything."""
+
+    def __init__(self, eng: Engine, cost):
+        self.eng, self.cost, self.t, self.start = eng, cost, 0.0, True
+
+    def __call__(self) -> float:
+        if not self.start:
+            self.t += self.cost(self.eng.last_gamma)
+        self.start = not self.start
+        return self.t
+
+
+def test_adaptive_gamma_is_exact_and_follows_cost(qwen3_dir):
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]]
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0)
+    plain = Engine(model, spec=SpecConfig("none"), max_running=4, max_len=64).generate(prompts, sp)
+    # greedy with any γ schedule is plain greedy decoding, token for token
+    ada = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=4, max_len=64)
+    assert [r.output_ids for r in ada.generate(prompts, sp)] == [r.output_ids for r in plain]
+    assert sum(ada.gamma_hist) > 0 and ada.stats()["spec_gamma_hist"] == ada.gamma_hist
+
+    def run(cost, alpha):
+        eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=4, max_len=200)
+        eng._clock = _CostClock(eng, cost)
+        eng._alpha = _FixedAlpha([alpha] * 3)  # held fixed: the test is about cost
+        eng.generate(prompts, SamplingParams(max_new_tokens=150, temperature=0.0, ignore_eos=True))
+        return eng.gamma_hist
+
+    # every draft costs as much as a target step and drafts are rarely accepted: plain wins, and
+    # after measuring each γ the engine runs γ = 0 except for one re-measurement in ADAPTIVE_REMEASURE
+    hist = run(lambda g: 1.0 + g, 0.1)
+    measured = 4 * 4  # 4 values of γ x (1 warm-up + 3 samples)
+    assert hist[0] >= sum(hist) - measured - sum(hist) // Engine.ADAPTIVE_REMEASURE - 2, hist
+    # drafts are nearly free and usually accepted: the engine speculates at full depth
+    hist = run(lambda g: 1.0 + 0.01 * g, 0.9)
+    assert hist[3] >= sum(hist) - measured - sum(hist) // Engine.ADAPTIVE_REMEASURE - 2, hist
+    # a predicted gain below the margin is not taken: drafts are free but E[tokens] is only 1.04
+    hist = run(lambda g: 1.0, 0.04)
+    assert hist[0] >= sum(hist) - measured - sum(hist) // Engine.ADAPTIVE_REMEASURE - 2, hist

@@ -48,7 +48,8 @@ all of a request's uniforms for a round drawn at once from its own generator.
 γ (0..max) at the current batch size (power-of-two buckets, exponential moving averages,
 occasional re-measurement) and picks the γ that maximises expected tokens per second,
 E[tokens | γ] = 1 + Σ_{j≤γ} Π_{i≤j} α_i with the running per-depth acceptance α_i. γ = 0 is
-plain decoding, so speculation is not slower than plain beyond the exploration rounds.
+plain decoding, so speculation is not slower than plain beyond the exploration rounds (one in
+``ADAPTIVE_REMEASURE``); γ > 0 is chosen only when its predicted gain exceeds ``ADAPTIVE_MARGIN``.
 
 Acceptance metric (one definition, everywhere):
   * a draft is *proposed* only if it could still be emitted: drafts past an accepted stop token
@@ -325,6 +326,9 @@ class Engine:
             e += prod
         return e
 
+    ADAPTIVE_MARGIN = 0.05  # speculate only if the predicted tokens/s beat plain by more than this
+    ADAPTIVE_REMEASURE = 32  # every N-th round runs another γ, so its cost estimate stays current
+
     def _choose_gamma(self, B: int) -> int:
         g = self.gamma
         if not self.spec.adaptive:
@@ -339,9 +343,11 @@ class Engine:
         cost = {c: statistics.median(self._cost_samples[(bk, c)]) for c in range(g + 1)}
         score = {c: self.expected_tokens(c) / cost[c] for c in range(g + 1)}
         best = max(score, key=score.get)
-        if self._rounds % 10 == 0:  # re-measure the others in turn (costs drift with lengths and load)
+        if best and score[best] < score[0] * (1.0 + self.ADAPTIVE_MARGIN):
+            best = 0  # a predicted gain inside the measurement noise is not worth the risk
+        if self._rounds % self.ADAPTIVE_REMEASURE == 0:  # re-measure the others in turn (costs drift)
             others = [c for c in range(g + 1) if c != best]
-            best = others[(self._rounds // 10) % len(others)]
+            best = others[(self._rounds // self.ADAPTIVE_REMEASURE) % len(others)]
         self.last_gamma = best
         return best
 
