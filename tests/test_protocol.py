@@ -92,9 +92,12 @@ def test_local_server_command_is_server_command(tmp_path):
 
     calls = []
 
+    envs = []
+
     class P:  # no process: only the command line is checked
-        def __init__(self, cmd, **kw):
+        def __init__(self, cmd, env=None, **kw):
             calls.append(cmd)
+            envs.append(env or {})
 
         def poll(self):
             return None
@@ -104,8 +107,10 @@ def test_local_server_command_is_server_command(tmp_path):
     try:
         s = local_servers.LocalServer(tmp_path, ["--dtype", "float64"], log_dir=tmp_path, api_key="k")
         s._log.close()
-        assert calls[0] == server_command(None, "bebop", model_path=str(tmp_path), port=s.port, api_key="k",
+        # the API key travels in the environment, never on the command line (/proc/PID/cmdline)
+        assert calls[0] == server_command(None, "bebop", model_path=str(tmp_path), port=s.port,
                                           extra=["--dtype", "float64"])
+        assert "k" not in calls[0] and envs[0]["BEBOP_API_KEY"] == "k"
         s2 = local_servers.LocalServer(tmp_path, log_dir=tmp_path, command=lambda port: ["echo", str(port)])
         s2._log.close()
         assert calls[1] == ["echo", str(s2.port)]

@@ -39,13 +39,17 @@ class LocalServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        # our own server gets the key through its environment (BEBOP_API_KEY), never on the command
+        # line, which any local user can read in /proc/PID/cmdline
         self.cmd = command(self.port) if command is not None else server_command(
-            None, "bebop", model_path=str(model_path), port=self.port, api_key=api_key, extra=extra_args)
+            None, "bebop", model_path=str(model_path), port=self.port, extra=extra_args)
         log_dir = Path(log_dir or self.model_path)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{self.port}.log"
         self._log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if api_key and command is None:
+            env["BEBOP_API_KEY"] = api_key
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads (None: torch's default)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
