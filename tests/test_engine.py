@@ -294,14 +294,26 @@ def test_reduced_draft_vocab_engine_joint_law_matches_target(qwen3_dir):
     many seeded requests equals the target's, by chi-square (cells with expected count < 5 pooled)."""
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
-    prompt, N, V = [5, 6, 7], 4000, 64
+    prompt, N = [5, 6, 7], 4000
     eng = Engine(model, spec=SpecConfig("mtp", 3, "rejection", draft_vocab=EVEN), max_running=500, max_len=16)
     reqs = eng.generate([prompt] * N, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True)
                                        for i in range(N)])
     out = torch.tensor([r.output_ids for r in reqs])
     assert eng.stats()["spec_verify_ct"] > 0
-    # exact law: p(a | prompt) p(b | prompt a) p(c | prompt a b)
-    st = SamplingTensors.build([SamplingParams(temperature=1.0)])
+    pvalue, _, pa, pb = three_token_law(model, prompt, out, SamplingParams(temperature=1.0))
+    assert pvalue > 1e-4
+    odd_mass = pb[:, 1::2].sum(-1) @ pa  # target mass of the second token off the map
+    assert odd_mass > 0.05 and bool((out[:, 1:] % 2 == 1).any())
+
+
+def three_token_law(model, prompt: list[int], out: torch.Tensor, params: SamplingParams):
+    """Chi-square of the emitted (a, b, c) in ``out`` [N, 3] against the target's exact law
+    p(a | prompt) p(b | prompt a) p(c | prompt a b) under ``params`` (cells with expected count < 5
+    pooled). Returns (p-value, number of unpooled cells, p(a), p(b | a))."""
+    from tests.test_sampling import chi2_pvalue
+
+    N, V = out.shape[0], model.config.vocab_size
+    st = SamplingTensors.build([params])
 
     def probs(seqs):
         ids = torch.tensor(seqs)
@@ -317,11 +329,7 @@ def test_reduced_draft_vocab_engine_joint_law_matches_target(qwen3_dir):
     big = exact * N >= 5
     pooled_c = torch.cat([counts[big], counts[~big].sum().view(1)])
     pooled_p = torch.cat([exact[big], exact[~big].sum().view(1)])
-    from tests.test_sampling import chi2_pvalue
-
-    assert chi2_pvalue(pooled_c, pooled_p) > 1e-4
-    odd_mass = pb[:, 1::2].sum(-1) @ pa  # target mass of the second token off the map
-    assert odd_mass > 0.05 and bool((out[:, 1:] % 2 == 1).any())
+    return chi2_pvalue(pooled_c, pooled_p), int(big.sum()), pa, pb
 
 
 def test_serve_speculative_token_map_option(qwen3_dir, tmp_path):

@@ -20,7 +20,7 @@ import torch
 
 from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
 from bebop_megatron.rollout.modeling import CausalLMWithMTP, LMConfig, make_batch_index
-from bebop_megatron.rollout.sampling import SamplingTensors, process_logits
+from tests.test_engine import three_token_law
 from tests.test_qwen3_5 import make_qwen3_5
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -156,33 +156,16 @@ def test_rejection_sampling_joint_law_matches_target(hybrid_dir):
     processed with the same parameters, as in serving."""
     d, _ = hybrid_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
-    prompt, N, V = [5, 6, 7], 1500, 64
+    prompt, N = [5, 6, 7], 1500
     eng = Engine(model, spec=SpecConfig("mtp", 2, "rejection"), max_running=750, max_len=12)
     reqs = eng.generate([prompt] * N, [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=6, seed=i,
                                                       ignore_eos=True) for i in range(N)])
     out = torch.tensor([r.output_ids for r in reqs])
     st_e = eng.stats()
     assert st_e["spec_verify_ct"] > 0 and st_e["spec_accepted_drafts"] > 0
-    st = SamplingTensors.build([SamplingParams(temperature=1.0, top_k=6)])
-
-    def probs(seqs):
-        ids = torch.tensor(seqs)
-        b = make_batch_index(list(range(len(seqs))), [0] * len(seqs), [ids.shape[1]] * len(seqs), "cpu")
-        normed, _ = model.trunk(ids, model.new_cache(len(seqs), ids.shape[1], "trunk"), b)
-        return process_logits(model.logits(normed[:, -1]), st.expand(len(seqs)))
-
-    pa = probs([prompt])[0]
-    pb = probs([prompt + [a] for a in range(V)])
-    pc = probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
-    exact = (pa.view(V, 1, 1) * pb.view(V, V, 1) * pc).flatten()
-    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V ** 3).double()
-    big = exact * N >= 5
-    pooled_c = torch.cat([counts[big], counts[~big].sum().view(1)])
-    pooled_p = torch.cat([exact[big], exact[~big].sum().view(1)])
-    from tests.test_sampling import chi2_pvalue
-
-    assert int(big.sum()) > 50
-    assert chi2_pvalue(pooled_c, pooled_p) > 1e-4
+    pvalue, cells, _, _ = three_token_law(model, prompt, out, SamplingParams(temperature=1.0, top_k=6))
+    assert cells > 50
+    assert pvalue > 1e-4
 
 
 # ------------------------------------------------------------- weight sync from the megatron policy

@@ -86,14 +86,19 @@ def mtp_reference(model, mtp_sd, ids, gamma):
     cfg.layer_types = ["full_attention"]
     layer = Qwen3_5DecoderLayer(cfg, 0).float().eval()
     layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in mtp_sd.items() if k.startswith("mtp.layers.0.")})
+    return mtp_chain(model, layer, Qwen3_5RMSNorm, mtp_sd, ids, gamma)
+
+
+def mtp_chain(model, layer, norm_cls, mtp_sd, ids, gamma):
+    """ONE MTP ``layer`` (a transformers decoder layer holding ``mtp.layers.0``) applied ``gamma``
+    times as megatron-core's recurrent MTP: step k sees step k-1's hidden and the tokens k ahead."""
     norms = {}
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[n] = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[n] = norm_cls(model.config.hidden_size, model.config.rms_norm_eps)
         norms[n].weight.data.copy_(mtp_sd[f"mtp.{n}.weight"])
     fc = mtp_sd["mtp.fc.weight"]
     with torch.no_grad():
-        out = model.model(ids)
-        h = out.last_hidden_state  # normed trunk output (megatron-core's MTP input)
+        h = model.model(ids).last_hidden_state  # normed trunk output (megatron-core's MTP input)
         s = ids.shape[1]
         pos = torch.arange(s).expand(ids.shape[0], -1)
         cos_sin = model.model.rotary_emb(h, pos)
@@ -106,6 +111,8 @@ def mtp_reference(model, mtp_sd, ids, gamma):
             emb = model.model.embed_tokens(shifted)
             x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](h)], -1) @ fc.t()
             x = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
+            if isinstance(x, tuple):
+                x = x[0]
             h = norms["norm"](x)
             logits.append(model.lm_head(h))
     return logits

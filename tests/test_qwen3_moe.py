@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.distributed import run_distributed
-from tests.test_qwen3_5 import IDS, _megatron_logits, hf_tensors
+from tests.test_qwen3_5 import IDS, _megatron_logits, hf_tensors, mtp_chain
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -132,30 +132,7 @@ def mtp_reference(model, arch, mtp_sd, ids, gamma):
     layer = layer_cls(cfg, 0).float().eval()
     layer.load_state_dict(_fuse_experts({k[len("mtp.layers.0."):]: v for k, v in mtp_sd.items()
                                          if k.startswith("mtp.layers.0.")}))
-    norms = {}
-    for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[n] = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
-        norms[n].weight.data.copy_(mtp_sd[f"mtp.{n}.weight"])
-    fc = mtp_sd["mtp.fc.weight"]
-    with torch.no_grad():
-        h = model.model(ids).last_hidden_state
-        s = ids.shape[1]
-        pos = torch.arange(s).expand(ids.shape[0], -1)
-        cos_sin = model.model.rotary_emb(h, pos)
-        mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
-        shifted = ids
-        logits = []
-        for _ in range(gamma):
-            shifted = torch.roll(shifted, -1, dims=1)
-            shifted[:, -1] = 0  # megatron's roll_tensor zero-fills
-            emb = model.model.embed_tokens(shifted)
-            x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](h)], -1) @ fc.t()
-            x = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
-            if isinstance(x, tuple):
-                x = x[0]
-            h = norms["norm"](x)
-            logits.append(model.lm_head(h))
-    return logits
+    return mtp_chain(model, layer, norm_cls, mtp_sd, ids, gamma)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])

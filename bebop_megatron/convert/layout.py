@@ -331,14 +331,6 @@ def hf_config(s: Shapes, arch: str, rope_theta: float, norm_eps: float, max_pos:
         "tie_word_embeddings": s.tie, "attention_bias": s.qkv_bias, "torch_dtype": "float32",
         "eos_token_id": eos_token_id, "bebop_mtp_hidden": "normed",
     }
-    if s.moe:
-        n, k, ffn, shared, norm_topk, freq, mlp_only = s.moe
-        cfg.update(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=ffn,
-                   shared_expert_intermediate_size=shared or 0, router_aux_loss_coef=0.001)
-        if s.arch == "qwen3_next":
-            cfg.update(norm_topk_prob=norm_topk, decoder_sparse_step=freq, mlp_only_layers=list(mlp_only))
-        else:
-            cfg.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP
     _mtp_keys(cfg, s)
     return cfg
 
