@@ -41,8 +41,9 @@ from bebop_megatron.parallel import initialize_distributed
 from bebop_megatron.rl.batch import PreparedBatch, prepare_batch
 from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
 from bebop_megatron.rl.grpo import policy_loss, tis_weights
+from bebop_megatron.rl.metrics import MetricsLogger, read_metrics, rollout_metrics
 from bebop_megatron.rl.policy_forward import RLForward
-from bebop_megatron.rl.types import RLMicroBatch
+from bebop_megatron.rl.types import RLMicroBatch, RolloutBatch
 
 log = logging.getLogger("bebop.rl")
 
@@ -213,23 +214,15 @@ class RLTrainer:
         self.step, self.version = 0, 0
         self.resumed_from = latest_checkpoint(self.out)
         self.init_ckpt: Optional[Path] = resolve_init(r.init) if r.init else None
+        self.summary: dict = {}
         if self.resumed_from is not None:
-            extra = load_checkpoint(self.resumed_from, self.ddp, self.opt)
-            self.step = int(extra["step"])
-            self.version = self.step
-            self.sched.load_state_dict(json.loads(extra["scheduler"]))
-            if extra.get("occ_coef") is not None:
-                self.hook.occ_coef = float(extra["occ_coef"])
-            self._restore_rng(extra)
-            self.state = json.loads(extra.get("rl_state", "{}"))
+            self.load_state_dict(self._state_from_extra(load_checkpoint(self.resumed_from, self.ddp, self.opt)))
             self._log(f"resumed from {self.resumed_from} at step {self.step}")
+        elif self.init_ckpt is not None:
+            load_model_weights(self.init_ckpt, self.ddp)
+            self._log(f"policy initialised from {self.init_ckpt}")
         else:
-            self.state = {}
-            if self.init_ckpt is not None:
-                load_model_weights(self.init_ckpt, self.ddp)
-                self._log(f"policy initialised from {self.init_ckpt}")
-            else:
-                self._log("warning: rl.init is not set: RL starts from a randomly initialised policy")
+            self._log("warning: rl.init is not set: RL starts from a randomly initialised policy")
         self.ref = self._build_reference() if r.kl_coef > 0 else None
         self.ref_hook = RLForward(MTPStrategy.NONE, r.temperature) if self.ref is not None else None
         self.entrocraft = None
@@ -241,7 +234,7 @@ class RLTrainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.manager = None
         self.servers = []
-        self.writer = None
+        self.metric_logger: Optional[MetricsLogger] = None
         self.futures: dict[int, object] = {}
         self.last_buckets: Optional[list[dict]] = None
 
@@ -264,16 +257,6 @@ class RLTrainer:
 
     def _rng_state(self) -> dict:
         return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-    def _restore_rng(self, extra: dict) -> None:
-        import pickle
-
-        blob = extra.get("rng")
-        if blob:  # our own checkpoint (see docs/reliability.md on loading only trusted checkpoints)
-            st = pickle.loads(bytes.fromhex(blob))
-            random.setstate(st["python"])
-            np.random.set_state(st["numpy"])
-            torch.set_rng_state(st["torch"])
 
     def start_rollouts(self) -> None:
         """Rank 0: export the current policy, start (or connect to) the rollout servers."""
@@ -488,148 +471,114 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
+        """rollout -> train_step -> weight sync -> log -> checkpoint, once per step, until ``rl.steps``
+        (or ``rl.exit_interval`` steps in this invocation); held-out evaluation before and after."""
         r = self.cfg.rl
         self.start_rollouts()
-        summary = dict(self.state.get("summary", {}))
         if self.is_rank0:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.out / "tensorboard"))
-            self._truncate_metrics(self.step)
-            if "reward_before" not in summary:
-                ev = self.manager.evaluate(self.eval_prompts)
-                summary["reward_before"], summary["exact_before"] = ev["reward"], ev["exact"]
-                summary.update({f"eval_{k}_before": v for k, v in ev.items() if k not in ("reward", "exact")})
-                self._log(f"held-out reward before RL: {ev['reward']:.3f}, exact answers {ev['exact']:.3f} "
-                          f"({len(self.eval_prompts)} prompts)")
-        start = self.step
-        exit_at = start + r.exit_interval if r.exit_interval > 0 else None
-        progress = None
-        if self.is_rank0 and self.cfg.train.progress:
-            from tqdm import tqdm
-
-            progress = tqdm(total=r.steps, initial=self.step, desc="rl", unit="step", dynamic_ncols=True)
+            self.metric_logger = MetricsLogger(self.out, r.steps, self.step)
+            if "reward_before" not in self.summary:
+                self._evaluate("before")
+            if self.cfg.train.progress:
+                self.metric_logger.show_progress(self.step)
+        stop_at = min(r.steps, self.step + r.exit_interval) if r.exit_interval > 0 else r.steps
         try:
-            while self.step < r.steps and (exit_at is None or self.step < exit_at):
-                self._one_step(progress)
-                if self.step % max(r.save_interval, 1) == 0 or self.step == r.steps or self.step == exit_at:
-                    self._save(summary)
+            while self.step < stop_at:
+                t0 = time.time()
+                batch = self.next_rollout_batch()
+                t_wait, version = time.time() - t0, self.version
+                metrics = self.train_step(batch.samples)
+                t_train = time.time() - t0 - t_wait
+                t_sync = self._sync_weights()
+                if self.is_rank0:
+                    if r.mode == "async":  # the next batches may start before this step's log is written
+                        self._submit_ahead()
+                    metrics.update(rollout_metrics(batch, version, self.gamma))
+                    metrics.update({"time/rollout_wait": t_wait, "time/rollout_gen": batch.seconds,
+                                    "time/train": t_train, "time/sync": t_sync, "time/step": time.time() - t0})
+                    self.metric_logger.log(self.step, metrics, batch.prompt_indices)
+                if self.step % max(r.save_interval, 1) == 0 or self.step == stop_at:
+                    self.save()
         finally:
-            if progress is not None:
-                progress.close()
-        summary["step"] = self.step
-        summary["exited_early"] = self.step < r.steps
+            if self.metric_logger is not None:
+                self.metric_logger.close()
+        self.summary["step"] = self.step
+        self.summary["exited_early"] = self.step < r.steps
         if self.is_rank0 and self.step >= r.steps:
-            ev = self.manager.evaluate(self.eval_prompts)
-            summary["reward_after"], summary["exact_after"] = ev["reward"], ev["exact"]
-            summary.update({f"eval_{k}_after": v for k, v in ev.items() if k not in ("reward", "exact")})
-            self._log(f"held-out reward after RL: {ev['reward']:.3f}, exact answers {summary['exact_before']:.3f} -> "
-                      f"{ev['exact']:.3f}; draft acceptance on the same prompts "
-                      f"{summary.get('eval_accept_rate_before', float('nan')):.3f} -> "
-                      f"{ev.get('accept_rate', float('nan')):.3f}")
-            summary.update(self._final_report())
+            self._evaluate("after")
+            self.summary.update(self._final_report())
         self.close()
         if self.is_rank0:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        return summary
+            (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2, default=float))
+        return self.summary
 
-    def _one_step(self, progress) -> None:
-        r = self.cfg.rl
-        t0 = time.time()
+    def next_rollout_batch(self) -> RolloutBatch:
+        """This step's rollout batch (rank 0 waits for it, every rank receives it)."""
         batch = None
         if self.is_rank0:
             self._submit_ahead()
             batch = self.futures.pop(self.step).result()
-        batch = _broadcast_object(batch, src=0)
-        t_wait = time.time() - t0
-        step_version = self.version
-        t1 = time.time()
-        metrics = self.train_step(batch.samples)
-        t_train = time.time() - t1
-        t_sync = self._sync_weights()
-        if self.is_rank0:
-            if r.mode == "async":  # the next batches may start before this step's log is written
-                self._submit_ahead()
-            metrics.update(self._rollout_metrics(batch, step_version))
-            metrics.update({"time/rollout_wait": t_wait, "time/rollout_gen": batch.seconds, "time/train": t_train,
-                            "time/sync": t_sync, "time/step": time.time() - t0})
-            self._write_metrics(self.step, metrics, batch)
-            if progress is not None:
-                progress.update(1)
-                progress.write(
-                    f"[rl] step {self.step}/{r.steps} reward {metrics['rollout/reward']:.3f} "
-                    f"len {metrics['rollout/response_len']:.1f} H {metrics['policy/entropy']:.3f} "
-                    f"accept {metrics.get('spec/accept_rate', float('nan')):.3f} "
-                    f"tok/verify {metrics.get('spec/tokens_per_verify', float('nan')):.2f} "
-                    f"stale {metrics['rollout/staleness_mean']:.2f} "
-                    f"t(rollout wait/train/sync) {t_wait:.1f}/{t_train:.1f}/{t_sync:.1f}s")
+        return _broadcast_object(batch, src=0)
 
-    def _rollout_metrics(self, batch, step_version: int) -> dict:
-        ss = batch.samples
-        rewards = [s.reward for s in ss]
-        stale = [step_version - s.weight_version for s in ss]
-        m = {"rollout/reward": float(np.mean(rewards)), "rollout/reward_std": float(np.std(rewards)),
-             "rollout/response_len": float(np.mean([len(s.response_ids) for s in ss])),
-             "rollout/truncated": float(np.mean([s.truncated for s in ss])),
-             "rollout/tokens_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
-             "rollout/staleness_mean": float(np.mean(stale)), "rollout/staleness_max": float(max(stale)),
-             "rollout/retries": float(batch.retries)}
-        verify = sum(s.verify_ct for s in ss)
-        if verify:
-            # one definition (issue #11): accepted / drafts that could be emitted (the engine's "proposed");
-            # tokens per verify = tokens emitted by verify steps (not the prefill's first token) / verify steps
-            acc, prop = sum(s.accepted for s in ss), sum(s.proposed for s in ss)
-            m["spec/accept_rate"] = acc / max(prop, 1)
-            m["spec/tokens_per_verify"] = sum(max(len(s.response_ids) - 1, 0) for s in ss if s.verify_ct) / verify
-            have_reached = all(len(s.reached_per_depth) >= self.gamma for s in ss if s.verify_ct)
-            reached = verify
-            for k in range(self.gamma):
-                at_k = sum(s.accepted_per_depth[k] for s in ss if len(s.accepted_per_depth) > k)
-                if have_reached:
-                    reached = sum(s.reached_per_depth[k] for s in ss if len(s.reached_per_depth) > k)
-                m[f"spec/accept_depth_{k + 1}"] = at_k / max(reached, 1)  # conditional on reaching depth k
-                reached = at_k
-        return m
+    def _evaluate(self, when: str) -> None:
+        """Held-out reward, exact answers and draft acceptance (same prompts and seeds each time)."""
+        ev = self.manager.evaluate(self.eval_prompts)
+        self.summary[f"reward_{when}"], self.summary[f"exact_{when}"] = ev["reward"], ev["exact"]
+        self.summary.update({f"eval_{k}_{when}": v for k, v in ev.items() if k not in ("reward", "exact")})
+        if when == "before":
+            self._log(f"held-out reward before RL: {ev['reward']:.3f}, exact answers {ev['exact']:.3f} "
+                      f"({len(self.eval_prompts)} prompts)")
+        else:
+            self._log(f"held-out reward after RL: {ev['reward']:.3f}, exact answers "
+                      f"{self.summary['exact_before']:.3f} -> {ev['exact']:.3f}; draft acceptance on the same "
+                      f"prompts {self.summary.get('eval_accept_rate_before', float('nan')):.3f} -> "
+                      f"{ev.get('accept_rate', float('nan')):.3f}")
 
-    # ------------------------------------------------------------------ bookkeeping
-    def _metrics_path(self) -> Path:
-        return self.out / "metrics.jsonl"
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs beyond the model and optimizer: the step (which fixes the
+        prompts of every later step), the LR schedule, OCC's coefficient, the RNGs and the summary."""
+        return {"step": self.step, "scheduler": self.sched.state_dict(), "occ_coef": self.hook.occ_coef,
+                "rng": self._rng_state(), "summary": self.summary}
 
-    def _truncate_metrics(self, step: int) -> None:
-        """After a resume, drop lines of steps the checkpoint does not contain (they are redone)."""
-        path = self._metrics_path()
-        if path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            path.write_text("".join(ln + "\n" for ln in keep))
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = self.version = int(sd["step"])
+        self.sched.load_state_dict(sd["scheduler"])
+        if sd.get("occ_coef") is not None:
+            self.hook.occ_coef = float(sd["occ_coef"])
+        if sd.get("rng"):
+            random.setstate(sd["rng"]["python"])
+            np.random.set_state(sd["rng"]["numpy"])
+            torch.set_rng_state(sd["rng"]["torch"])
+        self.summary = dict(sd.get("summary", {}))
 
-    def _write_metrics(self, step: int, metrics: dict, batch) -> None:
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                self.writer.add_scalar(k, v, step)
-        self.writer.flush()
-        rec = {"step": step, "prompt_indices": batch.prompt_indices, **metrics}
-        with self._metrics_path().open("a") as f:
-            f.write(json.dumps(rec, default=float) + "\n")
-
-    def _save(self, summary: dict) -> None:
+    def save(self) -> None:
+        """A checkpoint: model + optimizer (sharded), and :meth:`state_dict` in its extra."""
         import pickle
 
-        self.state["summary"] = summary
+        sd = self.state_dict()
         save_checkpoint(self.out, self.step, self.ddp, self.opt, extra={
-            "step": self.step, "consumed_samples": self.step * self.cfg.rl.prompts_per_step * self.cfg.rl.group_size,
-            "phase": "rl", "scheduler": json.dumps(self.sched.state_dict()), "config": json.dumps(self.cfg.to_dict()),
-            "occ_coef": self.hook.occ_coef, "rng": pickle.dumps(self._rng_state()).hex(),
-            "rl_state": json.dumps(self.state, default=float)})
+            "step": sd["step"], "consumed_samples": self.step * self.cfg.rl.prompts_per_step * self.cfg.rl.group_size,
+            "phase": "rl", "scheduler": json.dumps(sd["scheduler"]), "config": json.dumps(self.cfg.to_dict()),
+            "occ_coef": sd["occ_coef"], "rng": pickle.dumps(sd["rng"]).hex(),
+            "rl_state": json.dumps({"summary": sd["summary"]}, default=float)})
 
-    def read_metrics(self) -> list[dict]:
-        path = self._metrics_path()
-        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    @staticmethod
+    def _state_from_extra(extra: dict) -> dict:
+        """:meth:`state_dict` from a checkpoint's extra (our own checkpoints only: the RNG state is a
+        pickle, see docs/reliability.md)."""
+        import pickle
+
+        blob = extra.get("rng")
+        return {"step": int(extra["step"]), "scheduler": json.loads(extra["scheduler"]),
+                "occ_coef": extra.get("occ_coef"), "rng": pickle.loads(bytes.fromhex(blob)) if blob else None,
+                "summary": json.loads(extra.get("rl_state", "{}")).get("summary", {})}
 
     def _final_report(self) -> dict:
         from bebop_megatron.rl.report import acceptance_vs_entropy, plot_curves, speculation_benchmark, trend_fit
 
         out = {}
-        rows = self.read_metrics()
+        rows = read_metrics(self.out / "metrics.jsonl")
         out.update(acceptance_vs_entropy(rows, self.out))
         out.update(plot_curves(rows, self.out))
         out["train_reward_trend"] = trend_fit([x["step"] for x in rows], [x["rollout/reward"] for x in rows])
@@ -668,9 +617,8 @@ class RLTrainer:
 
     def close(self) -> None:
         self._stop_servers()
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self.metric_logger is not None:
+            self.metric_logger.close()
 
 
 def rl_train(cfg: Config) -> dict:
