@@ -50,6 +50,7 @@ from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
 from tests.test_sglang_types import _ensure_sources
+from tests.tiny_models import tiny_hybrid_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -256,20 +257,6 @@ def sgl() -> SGLangSource:
 # ------------------------------------------------------------------ our export
 
 
-def _tiny(arch: str):
-    from bebop_megatron.config import Config
-
-    cfg = Config.load(str(Path(__file__).resolve().parents[1] / "configs" / "tiny_qwen3p5_cpu.yaml"))
-    m = cfg.model
-    m.arch, m.num_layers, m.full_attention_interval, m.hidden_size, m.ffn_hidden_size = arch, 2, 2, 32, 48
-    m.kv_channels, m.linear_key_head_dim, m.linear_value_head_dim = 8, 8, 8
-    m.tie_word_embeddings = arch != "qwen3_next"  # the untied LM head too
-    if arch != "qwen3_5":
-        m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 16
-        m.moe_shared_expert_intermediate_size = 24
-    return cfg
-
-
 def _export_worker(rank, world, out_root):
     """Export each tiny arch the way ``megatron_to_hf`` does (same Shapes, same folder writer)."""
     from bebop_megatron.convert.hf_megatron import iter_hf_buckets, write_hf_folder
@@ -279,7 +266,7 @@ def _export_worker(rank, world, out_root):
 
     platform = initialize_distributed(1, 1, seed=0, force_cpu=True)
     for arch in ARCHS:
-        cfg = _tiny(arch)
+        cfg = tiny_hybrid_config(arch)
         model = build_model(cfg, platform, initialize=True)
         shapes = Shapes.from_config(cfg, 1, "qwen3_next" if cfg.model.mtp_recurrent else "deepseek")
         write_hf_folder(iter_hf_buckets(model, shapes), cfg, shapes, Path(out_root) / arch)
