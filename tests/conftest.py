@@ -20,7 +20,7 @@ def _no_distributed_leak():
 MULTIPROCESS_MODULES = {  # every test here spawns processes: gloo ranks, `bebop` CLI runs, real servers
     "test_bridge", "test_convert", "test_distributed_weight_sync", "test_launch", "test_local_workers",
     "test_parallel", "test_qwen3_5", "test_qwen3_moe", "test_rl", "test_rl_faults", "test_rl_ppo",
-    "test_rl_run", "test_server", "test_server_fuzz", "test_sglang_types", "test_train_mtp",
+    "test_rl_run", "test_server", "test_server_fuzz", "test_sglang_export", "test_sglang_types", "test_train_mtp",
     "test_weight_sync",
 }
 SLOW_TESTS = {  # > ~30 s on 2 quiet CPU cores (pytest --durations)

@@ -274,3 +274,50 @@ def test_moe_expert_parallel_loads_global_experts_and_equals_transformers(moe_mo
     for n, t in src.items():
         assert torch.equal(back[n], t), n
 
+
+
+# ------------------------------------------------------------ router load-balancing loss
+
+
+def _aux_loss_worker(rank, world, arch, coeffs):
+    """Per coefficient: the LM loss and every gradient of one forward/backward, from identical weights."""
+    from bebop_megatron.model import build_model
+    from bebop_megatron.parallel import initialize_distributed
+    from tests.tiny_models import tiny_hybrid_config
+
+    platform = initialize_distributed(1, 1, seed=0, force_cpu=True)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    state, out = None, []
+    for c in coeffs:
+        cfg = tiny_hybrid_config(arch)
+        cfg.model.moe_aux_loss_coeff = c
+        model = build_model(cfg, platform, initialize=True)
+        router = next(m for n, m in model.named_modules() if n.endswith("mlp.router"))
+        types = (router.config.moe_router_load_balancing_type, router.config.moe_aux_loss_coeff)
+        if state is None:
+            state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        model.load_state_dict(state, strict=False)
+        model.train()
+        loss = model(ids, pos, None, labels=torch.roll(ids, -1, 1)).float().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((types, loss.item(), grads))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next"])  # the same moe_config_kwargs as qwen3_5_moe; untied
+def test_router_aux_loss_coeff_reaches_megatron_and_moves_only_routing_gradients(arch):
+    """``model.moe_aux_loss_coeff`` > 0 turns on megatron-core's switch load-balancing loss
+    (``moe_router_load_balancing_type: aux_loss``): the LM loss is unchanged, the router (and what feeds
+    it) gets an extra gradient linear in the coefficient, and the output layer's gradient is untouched."""
+    (t0, l0, g0), (t1, l1, g1), (t2, l2, g2) = run_distributed(_aux_loss_worker, 1, arch, [0.0, 0.1, 0.2])[0]
+    assert t0 == ("none", 0.0) and t1 == ("aux_loss", 0.1) and t2 == ("aux_loss", 0.2)
+    assert l0 == l1 == l2  # the aux loss is attached to the backward only
+    routers = [n for n in g0 if n.endswith("mlp.router.weight")]
+    assert routers
+    for n in routers:
+        d1, d2 = g1[n] - g0[n], g2[n] - g0[n]
+        assert d1.abs().max() > 1e-6, n
+        torch.testing.assert_close(d2, 2 * d1, rtol=1e-3, atol=1e-7)
+    assert torch.equal(g1["output_layer.weight"], g0["output_layer.weight"])  # untied: downstream of every router

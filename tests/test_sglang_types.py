@@ -52,9 +52,10 @@ def _pip(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def _ensure_sources() -> Path:
+def _ensure_sources(files: tuple = FILES) -> Path:
+    """SGLang's source files (paths inside the wheel) under the cache; downloads the wheel once."""
     src = CACHE / "src"
-    if all((src / f).exists() for f in FILES):
+    if all((src / f).exists() for f in files):
         return src
     wheels = sorted(CACHE.glob(f"sglang-{VERSION}-*.whl"))
     if not wheels:
@@ -66,7 +67,7 @@ def _ensure_sources() -> Path:
         if not wheels:
             pytest.skip(f"cannot download sglang=={VERSION} (package registry unreachable?): {out.stderr[-300:]}")
     with zipfile.ZipFile(wheels[0]) as z:
-        for f in FILES:
+        for f in files:
             (src / f).parent.mkdir(parents=True, exist_ok=True)
             (src / f).write_bytes(z.read(f))
     return src

@@ -67,3 +67,20 @@ def add_mtp_weights(path, model, layout, num_mtp, seed=1, scale=1.0):
     else:
         raw["mtp_num_hidden_layers"] = 1
     cfg_path.write_text(json.dumps(raw, indent=2))
+
+
+def tiny_hybrid_config(arch: str = "qwen3_5"):
+    """``configs/tiny_qwen3p5_cpu.yaml`` cut to 2 layers (GDN + gated attention) at width 32, as ``arch``:
+    qwen3_5 (tied), qwen3_5_moe (tied) or qwen3_next (untied); the MoE archs get 4 experts, top-2, and a
+    shared expert. One recurrent MTP layer (γ = 3)."""
+    from bebop_megatron.config import Config
+
+    cfg = Config.load(str(Path(__file__).resolve().parents[1] / "configs" / "tiny_qwen3p5_cpu.yaml"))
+    m = cfg.model
+    m.arch, m.num_layers, m.full_attention_interval, m.hidden_size, m.ffn_hidden_size = arch, 2, 2, 32, 48
+    m.kv_channels, m.linear_key_head_dim, m.linear_value_head_dim = 8, 8, 8
+    m.tie_word_embeddings = arch != "qwen3_next"
+    if arch != "qwen3_5":
+        m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 16
+        m.moe_shared_expert_intermediate_size = 24
+    return cfg

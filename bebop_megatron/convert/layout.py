@@ -349,9 +349,23 @@ _HF_CLASSES = {"qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
                "qwen3_next": ("Qwen3NextForCausalLM", "qwen3_next")}
 
 
+def full_attention_interval(layer_types) -> Optional[int]:
+    """N when ``layer_types`` is "every N-th layer is full attention" (layers N-1, 2N-1, ...), else None.
+    SGLang 0.5.23 builds its hybrid layers from ``full_attention_interval`` alone and never reads
+    ``layer_types`` (``Qwen3NextConfig.layers_block_type`` in ``sglang/srt/configs/qwen3_next.py``)."""
+    types = list(layer_types)
+    for n in range(1, len(types) + 1):
+        if types == ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(len(types))]:
+            return n
+    return None
+
+
 def _hybrid_hf_config(s: Shapes, rope_theta: float, norm_eps: float, max_pos: int, eos_token_id) -> dict:
     """transformers' ``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig`` / ``Qwen3NextConfig`` (text-only
-    ``*ForCausalLM``)."""
+    ``*ForCausalLM``), readable by SGLang 0.5.23's own config classes too: those take ``rope_theta``,
+    ``partial_rotary_factor`` and ``full_attention_interval`` from the top level (its
+    ``Qwen3HybridAttentionDecoderLayer`` reads ``config.rope_theta``, defaulting to 10000, and ignores
+    ``rope_parameters``), so they are written there as well as in transformers' ``rope_parameters``."""
     dk, dv, nk, nv, conv = s.linear
     cls, model_type = _HF_CLASSES[s.arch]
     cfg = {
@@ -364,14 +378,19 @@ def _hybrid_hf_config(s: Shapes, rope_theta: float, norm_eps: float, max_pos: in
         "tie_word_embeddings": s.tie, "attention_bias": s.qkv_bias, "torch_dtype": "float32",
         "layer_types": list(s.layer_types), "linear_conv_kernel_dim": conv, "linear_key_head_dim": dk,
         "linear_value_head_dim": dv, "linear_num_key_heads": nk, "linear_num_value_heads": nv,
+        "rope_theta": rope_theta, "partial_rotary_factor": s.rotary_factor,
         "eos_token_id": eos_token_id, "bebop_mtp_hidden": "normed",
     }
+    interval = full_attention_interval(s.layer_types)
+    if interval is not None:  # else SGLang cannot build this layer pattern (transformers still can)
+        cfg["full_attention_interval"] = interval
     if s.moe:
         n, k, ffn, shared, norm_topk, freq, mlp_only = s.moe
         cfg.update(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=ffn,
-                   shared_expert_intermediate_size=shared or 0, router_aux_loss_coef=0.001)
+                   shared_expert_intermediate_size=shared or 0, router_aux_loss_coef=0.001,
+                   norm_topk_prob=norm_topk)  # SGLang's MoE block reads it for Qwen3.5-MoE too
         if s.arch == "qwen3_next":
-            cfg.update(norm_topk_prob=norm_topk, decoder_sparse_step=freq, mlp_only_layers=list(mlp_only))
+            cfg.update(decoder_sparse_step=freq, mlp_only_layers=list(mlp_only))
         else:
             cfg.pop("intermediate_size")  # Qwen3.5-MoE has no dense MLP
     _mtp_keys(cfg, s)
