@@ -259,13 +259,10 @@ def _sel(records, **kw):
 
 
 def linear_fit(x: list[float], y: list[float]) -> dict:
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(x) < 2 or np.ptp(x) == 0:
-        return {"slope": float("nan"), "intercept": float("nan"), "r2": float("nan")}
-    slope, icpt = np.polyfit(x, y, 1)
-    resid = y - (slope * x + icpt)
-    ss = float(((y - y.mean()) ** 2).sum())
-    return {"slope": float(slope), "intercept": float(icpt), "r2": 1.0 - float((resid ** 2).sum()) / ss if ss else float("nan")}
+    """rl/report.py's least-squares fit, with NaN (not None) where x has no spread, for the tables."""
+    from bebop_megatron.rl.report import linear_fit as fit
+
+    return {k: (float("nan") if v is None else v) for k, v in fit(x, y).items()}
 
 
 def summarise(records: list[dict], objectives: list[str], temps: list[float], gamma: int) -> dict:
