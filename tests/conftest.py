@@ -6,6 +6,27 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory of tiny random HF Qwen checkpoints with MTP heads (tests/tiny_models.py), built once
+    per session per argument set and shared: treat the folder as read-only (a test that writes into a
+    model folder makes its own with ``make_hf_checkpoint``)."""
+    from tests.tiny_models import make_hf_checkpoint
+
+    made: dict[tuple, object] = {}
+
+    def get(arch: str = "qwen3", mtp_layout: str = "deepseek", num_mtp: int = 3, seed: int = 0,
+            scale: float = 2.0, **kw):
+        key = (arch, mtp_layout, num_mtp, seed, scale, tuple(sorted(kw.items())))
+        if key not in made:
+            d = tmp_path_factory.mktemp(f"tiny_{arch}_{mtp_layout}_{num_mtp}_s{seed}")
+            make_hf_checkpoint(d, arch, mtp_layout, num_mtp=num_mtp, seed=seed, scale=scale, **kw)
+            made[key] = d
+        return made[key]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _no_distributed_leak():
     """Tests that initialise torch.distributed in-process must tear it down."""

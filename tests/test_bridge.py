@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from bebop_megatron.rollout.bridge import RolloutBridge, RolloutError, parse_spec_metrics
@@ -22,11 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
-    make_hf_checkpoint(a, "qwen3", "deepseek", num_mtp=2, seed=0, scale=2.0)
-    make_hf_checkpoint(b, "qwen3", "deepseek", num_mtp=2, seed=9, scale=2.0)
-    return a, b
+def ckpts(tiny_checkpoint):
+    return tiny_checkpoint(num_mtp=2, seed=0), tiny_checkpoint(num_mtp=2, seed=9)
 
 
 def test_parse_spec_metrics_every_spelling():

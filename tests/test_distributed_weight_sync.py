@@ -12,7 +12,6 @@ from bebop_megatron.data import CharTokenizer
 from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
 from bebop_megatron.rollout.modeling import CausalLMWithMTP
 from tests.server_utils import ServerProcess
-from tests.tiny_models import make_hf_checkpoint
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--dtype", "float64"]
 PROMPT = [5, 6, 7, 8]
@@ -20,11 +19,8 @@ SEED = 7
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a, b = tmp_path_factory.mktemp("dist_a"), tmp_path_factory.mktemp("dist_b")
-    make_hf_checkpoint(a, "qwen3", "deepseek", num_mtp=3, seed=0, scale=2.0)
-    make_hf_checkpoint(b, "qwen3", "deepseek", num_mtp=3, seed=5, scale=2.0)
-    return a, b
+def ckpts(tiny_checkpoint):
+    return tiny_checkpoint(seed=0), tiny_checkpoint(seed=5)
 
 
 def load(path):
