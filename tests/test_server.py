@@ -129,7 +129,14 @@ def test_api_key_required(server):
     ({"input_ids": []}, 400),
     ({"text": "hi", "input_ids": [1]}, 400),
     ({"text": 5}, 400),
-    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, 400),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}}, 400),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}, 400),
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, 400),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"99999": 1.0}}}, 400),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"3": 1e300}}}, 400),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": "(unclosed"}}, 400),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": ["x" * 300]}}, 400),
+    ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, 400),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 400),
     ({"input_ids": [1], "sampling_params": {"n": 0}}, 400),
     ({"text": "é"}, 400),
@@ -460,7 +467,6 @@ def test_sglang_info_routes_weight_version_and_accepted_params(server):
     out = r.json()
     assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
     assert all(isinstance(txt, str) for _, _, txt in out["meta_info"]["output_token_logprobs"])
-    assert server.post("/generate", {"input_ids": [5], "sampling_params": {"logit_bias": {"5": 2.0}}}).status_code == 400
     with httpx.stream("POST", server.url + "/generate", headers=server.headers, timeout=60,
                       json={"input_ids": [5, 6, 7], "stream": True, "sampling_params": sp}) as resp:
         events = [json.loads(l[6:]) for l in resp.iter_lines() if l.startswith("data: {")]
@@ -486,3 +492,26 @@ def test_v1_completions_streaming(server):
     # usage counts each prompt once with n > 1
     r = server.post("/v1/completions", {"prompt": "3*4=", "max_tokens": 2, "n": 3}).json()
     assert r["usage"]["prompt_tokens"] == 4 and r["usage"]["completion_tokens"] == 6 and len(r["choices"]) == 3
+
+
+def test_sglang_logit_processors_and_stop_regex(server, ckpts):
+    """SGLang's penalties, logit_bias and min_new_tokens change the output exactly as the engine
+    does locally; stop_regex stops on the decoded text and reports the pattern as matched."""
+    base = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    sp = {**base, "repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+          "logit_bias": {"7": 3.0}}
+    r = server.post("/generate", {"text": "12+7=", "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    eng = local_engine(ckpts[0], spec=False)
+    ref = eng.generate([CharTokenizer().encode("12+7=")], SamplingParams(
+        max_new_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5,
+        presence_penalty=0.3, logit_bias={7: 3.0}))[0]
+    plain = server.post("/generate", {"text": "12+7=", "sampling_params": base}).json()
+    assert r.json()["output_ids"] == ref.output_ids != plain["output_ids"]
+    import re
+    pat = re.escape(plain["text"][3]) + "|never"
+    r = server.post("/generate", {"text": "12+7=", "sampling_params": {**base, "stop_regex": [pat]}}).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": pat}
+    ids = plain["output_ids"]
+    n = next(i for i in range(1, 13) if re.search(pat, CharTokenizer().decode(ids[:i])))
+    assert r["output_ids"] == ids[:n] and n <= 4

@@ -68,6 +68,7 @@ Acceptance metric (one definition, everywhere):
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 import threading
 import time
@@ -75,12 +76,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import regex
 import torch
 from torch import Tensor
 
 from bebop_megatron.rollout.modeling import CausalLMWithMTP, KVCache, make_batch_index
-from bebop_megatron.rollout.sampling import (SamplingTensors, load_token_map, process_logits, reduced_draft_probs,
-                                             round_uniforms, sample_with_uniform, verify_chain)
+from bebop_megatron.rollout.sampling import (LogitProcessors, SamplingTensors, load_token_map, process_logits,
+                                             reduced_draft_probs, round_uniforms, sample_with_uniform, verify_chain)
 
 
 class RequestError(ValueError):
@@ -99,6 +101,13 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: Optional[int] = None
     no_stop_trim: bool = False
+    # SGLang's logit processors (sampling.LogitProcessors), neutral by default
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict] = None  # token id -> additive bias
+    stop_regex: list = field(default_factory=list)  # stop once the decoded output matches one
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -117,6 +126,20 @@ class SamplingParams:
             raise RequestError("stop must be a string or a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be a list of non-negative integers")
+        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise RequestError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
+        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
+            raise RequestError("frequency_penalty and presence_penalty must be in [-2, 2]")
+        if not (0 < self.repetition_penalty <= 2):
+            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        for pat in self.stop_regex:
+            try:
+                re.compile(pat)  # SGLang's syntax (``re``); searched with ``regex`` for its timeout
+                regex.compile(pat)
+            except (re.error, regex.error, TypeError, RecursionError, OverflowError, ValueError) as e:
+                raise RequestError(f"invalid stop_regex {pat!r}: {e}") from None
 
 
 @dataclass
@@ -170,6 +193,7 @@ class Request:
     # drafts accepted, and the verifier's target distribution per depth as top-k ids/probs
     spec_record_topk: int = 0
     spec_records: list[dict] = field(default_factory=list)
+    counts: Optional[Tensor] = None  # [V] output-token counts, only for count-based penalties
 
     @property
     def finished(self) -> bool:
@@ -235,6 +259,15 @@ class Engine:
         bad = [t for t in input_ids if not isinstance(t, int) or t < 0 or t >= V]
         if bad:
             raise RequestError(f"token ids out of range [0, {V}): {bad[:5]}")
+        if params.logit_bias:
+            try:
+                params.logit_bias = {int(t): float(b) for t, b in params.logit_bias.items()}
+            except (TypeError, ValueError, OverflowError):
+                raise RequestError("logit_bias must map token ids to numbers") from None
+            if not all(0 <= t < V for t in params.logit_bias):
+                raise RequestError(f"logit_bias must have keys in [0, {V - 1}]")
+        if params.stop_regex and self.tokenizer is None:
+            raise RequestError("stop_regex needs a tokenizer (the server was started without one)")
         if len(input_ids) + params.max_new_tokens > self.max_len:
             raise RequestError(f"prompt ({len(input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
                                f"exceeds the context length {self.max_len}")
@@ -243,6 +276,8 @@ class Engine:
         g = torch.Generator()
         g.manual_seed(params.seed if params.seed is not None else torch.randint(0, 2**62, ()).item())
         req.generator = g
+        if LogitProcessors.uses_counts(params):
+            req.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
         with self.lock:
             if params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
@@ -363,6 +398,9 @@ class Engine:
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
         return SamplingTensors.build([r.params for r in reqs], device=self.device)
 
+    def _processors(self, reqs: list[Request]) -> Optional[LogitProcessors]:
+        return LogitProcessors.build(reqs, self.model.config.vocab_size, self.eos_id, self.device)
+
     def _slots(self, reqs: list[Request]) -> Tensor:
         return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
 
@@ -385,6 +423,9 @@ class Engine:
             self.hid[sl[:, None], pos] = mtp_in.to(self.hid.dtype)
             self.tok[sl[:, None], pos] = ids
             self.valid[sl] = 0
+        proc = self._processors(reqs)
+        if proc is not None:
+            logits = proc.apply(logits)
         new_tokens = self._sample(reqs, logits)
         if self.gamma:
             self.tok[sl, lens] = new_tokens
@@ -405,6 +446,9 @@ class Engine:
         ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         logits = self.model.logits(normed[:, 0])
+        proc = self._processors(reqs)
+        if proc is not None:
+            logits = proc.apply(logits)
         toks = self._sample(reqs, logits)
         if self.gamma:
             sl = b.slots
@@ -426,7 +470,8 @@ class Engine:
         u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
         # ---- 1. draft (each depth once, extending over its committed positions as it drafts)
         slot_l = [r.slot for r in reqs]
-        drafts, q = self._draft(sl, L, st, g, u[:, :g], slot_l)
+        proc = self._processors(reqs)
+        drafts, q = self._draft(sl, L, st, g, u[:, :g], slot_l, proc)
         # ---- 2. verify
         b = make_batch_index(slot_l, L - 1, torch.full_like(L, g + 1), N=g + 1)
         b.keep_states = self._hybrid  # linear-attention states after every position, for the rollback
@@ -435,6 +480,8 @@ class Engine:
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         self.hid[sl[:, None], b.positions] = mtp_in.to(self.hid.dtype)
         logits = self.model.logits(normed)  # [B, γ+1, V]
+        if proc is not None:  # position j follows the drafts d_1..d_j: they count as output there
+            logits = torch.stack([proc.apply(logits[:, j], drafts[:, :j]) for j in range(g + 1)], dim=1)
         p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
         res = verify_chain(p, q, drafts, mode, uniforms=u[:, g:])
         num_acc, nxt = res.num_accepted, res.next_token
@@ -482,7 +529,8 @@ class Engine:
 
     @torch.no_grad()
     def _draft(self, sl: Tensor, L: Tensor, st: SamplingTensors, g: int, u: Tensor,
-               slot_l: Optional[list[int]] = None) -> tuple[Tensor, Tensor]:
+               slot_l: Optional[list[int]] = None,
+               proc: Optional[LogitProcessors] = None) -> tuple[Tensor, Tensor]:
         """γ drafts per row and the processed draft distributions q [B, γ, V] they came from.
 
         Depth k runs once over positions b_k..L-2 (all rows in one padded batch) and drafts from
@@ -528,7 +576,10 @@ class Engine:
             self.valid[sl, k] = (L - k).clamp(min=0)
             h_last = out[rows, n - 1]
             if self.draft_ids is None:
-                qk = process_logits(self.model.logits(h_last), st, self.sampling_dtype)
+                zk = self.model.logits(h_last)
+                if proc is not None:  # not needed for exactness (any q is), but raises acceptance
+                    zk = proc.apply(zk, drafts[:, : k - 1])
+                qk = process_logits(zk, st, self.sampling_dtype)
             else:  # the map's N rows of the LM head only; q is 0 off the map
                 qk = reduced_draft_probs(h_last, self._draft_head(), self.draft_ids, self.model.config.vocab_size,
                                          st, self.sampling_dtype)
@@ -561,6 +612,8 @@ class Engine:
         for j, tok in enumerate(tokens):
             r.tokens.append(tok)
             r.output_ids.append(tok)
+            if r.counts is not None:
+                r.counts[tok] += 1
             if lp is not None:
                 r.output_logprobs.append(lp[j])
             self.total_generated += 1
@@ -581,6 +634,11 @@ class Engine:
             self._release(r, {"type": "stop", "matched": last})
             return
         matched = self._trim_at_stop_string(r) if r.params.stop and self.tokenizer is not None else None
+        if matched is None and r.params.stop_regex and self.tokenizer is not None:
+            matched = self._trim_at_stop_regex(r)
+            if isinstance(matched, dict):
+                self._release(r, matched)
+                return
         if matched is not None:
             self._release(r, {"type": "stop", "matched": matched})
         elif len(r.output_ids) >= r.params.max_new_tokens:
@@ -602,6 +660,32 @@ class Engine:
                         del r.output_logprobs[n:]
                         break
                 return s
+        return None
+
+    STOP_REGEX_BUDGET_S = 0.05  # per request and step: a pathological pattern aborts its request alone
+
+    def _trim_at_stop_regex(self, r: Request):
+        """The first stop_regex pattern that the decoded output matches (SGLang reports the pattern
+        as ``matched``), with the output trimmed to the shortest token prefix that matches; None if
+        none matches; a dict abort reason if the search ran past its time budget."""
+        deadline = time.monotonic() + self.STOP_REGEX_BUDGET_S
+
+        def search(pat: str, text: str) -> bool:
+            return regex.search(pat, text, timeout=max(deadline - time.monotonic(), 1e-4)) is not None
+
+        try:
+            text = self.tokenizer.decode(r.output_ids)
+            for pat in r.params.stop_regex:
+                if search(pat, text):
+                    for n in range(1, len(r.output_ids) + 1):
+                        if search(pat, self.tokenizer.decode(r.output_ids[:n])):
+                            del r.output_ids[n:]
+                            del r.output_logprobs[n:]
+                            break
+                    return pat
+        except TimeoutError:
+            return {"type": "abort", "message": "stop_regex search exceeded its time budget",
+                    "status_code": 400, "err_type": "BadRequestError"}
         return None
 
     def _release(self, r: Request, reason: dict) -> None:

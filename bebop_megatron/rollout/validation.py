@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+import regex
 
 from bebop_megatron.rollout.engine import SamplingParams
 
@@ -39,15 +42,17 @@ MAX_SPEC_RECORDS = 64
 
 SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
                       "ignore_eos", "n", "seed", "sampling_seed", "no_stop_trim", "skip_special_tokens",
-                      "spaces_between_special_tokens"}
+                      "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
+                      "repetition_penalty", "min_new_tokens", "logit_bias", "stop_regex"}
 # accepted only at their neutral values (the embedded engine does not implement them)
-NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "min_new_tokens": 0, "regex": None, "json_schema": None, "ebnf": None,
-                    "structural_tag": None, "stop_regex": None, "beam_width": None, "watermark": None}
+NEUTRAL_SAMPLING = {"regex": None, "json_schema": None, "ebnf": None,
+                    "structural_tag": None, "beam_width": None, "watermark": None}
 # accepted with SGLang's semantics: custom_params feed custom logit processors (none here, e.g.
-# slime's {"return_top_p_token_ids": true} changes nothing); stream_interval spaces SSE events;
-# logit_bias is validated as SGLang does and accepted when every bias is 0 (no effect)
-ACCEPTED_SAMPLING = {"custom_params", "stream_interval", "logit_bias"}
+# slime's {"return_top_p_token_ids": true} changes nothing); stream_interval spaces SSE events
+ACCEPTED_SAMPLING = {"custom_params", "stream_interval"}
+MAX_STOP_REGEX_COUNT = 32  # SGLang's limits
+MAX_STOP_REGEX_BYTES = 256
+MAX_LOGIT_BIAS = 1e6
 MAX_STREAM_INTERVAL = 1 << 20
 
 
@@ -184,6 +189,7 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
     if g("custom_params") is not None and not isinstance(g("custom_params"), dict):
         raise BadRequest(f"{where}.custom_params must be an object")
     bias = g("logit_bias")
+    nonzero: dict[int, float] = {}
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > limits.vocab_size:
             raise BadRequest(f"{where}.logit_bias must be an object of token id -> bias")
@@ -194,9 +200,33 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
                 raise BadRequest(f"{where}.logit_bias keys must be token ids, got {_short(tid)}") from None
             if not 0 <= t < limits.vocab_size:
                 raise BadRequest(f"{where}.logit_bias must have keys in [0, {limits.vocab_size - 1}], got {_short(tid)}")
-            if as_float(b, f"{where}.logit_bias[{tid}]", -1e6, 1e6) != 0.0:
-                raise BadRequest(f"{where}.logit_bias with non-zero biases is not supported by the embedded engine")
+            b = as_float(b, f"{where}.logit_bias[{tid}]", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            if b != 0.0:
+                nonzero[t] = b
     sp = SamplingParams()
+    sp.logit_bias = nonzero or None
+    for k in ("frequency_penalty", "presence_penalty"):
+        if g(k) is not None:
+            setattr(sp, k, as_float(g(k), f"{where}.{k}", -2.0, 2.0))
+    if g("repetition_penalty") is not None:
+        sp.repetition_penalty = as_float(g("repetition_penalty"), f"{where}.repetition_penalty", 0.0, 2.0,
+                                         lo_open=True)
+    regex = g("stop_regex")
+    if regex is not None:
+        regex = [regex] if isinstance(regex, str) else regex
+        if not isinstance(regex, list) or len(regex) > MAX_STOP_REGEX_COUNT:
+            raise BadRequest(f"{where}.stop_regex must be a string or a list of at most {MAX_STOP_REGEX_COUNT} "
+                             "strings")
+        for pat in regex:
+            as_str(pat, f"{where}.stop_regex[]", MAX_STOP_REGEX_BYTES, allow_empty=False)
+            if len(pat.encode("utf-8")) > MAX_STOP_REGEX_BYTES:
+                raise BadRequest(f"{where}.stop_regex is over the {MAX_STOP_REGEX_BYTES}-byte limit")
+            try:
+                re.compile(pat)
+                regex.compile(pat)  # the engine searches with ``regex`` (it has a timeout)
+            except (re.error, regex.error, RecursionError, OverflowError, ValueError) as e:
+                raise BadRequest(f"{where}.stop_regex {_short(pat)} is not a valid regular expression: {e}") from None
+        sp.stop_regex = list(regex)
     n = 1 if g("n") is None else as_int(g("n"), f"{where}.n", 1, limits.max_n)
     if g("max_new_tokens") is not None:
         sp.max_new_tokens = as_int(g("max_new_tokens"), f"{where}.max_new_tokens", 0, limits.context_length)
@@ -220,6 +250,8 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
             v = as_bool(g(k), f"{where}.{k}")
             if hasattr(sp, k):
                 setattr(sp, k, v)
+    if g("min_new_tokens") is not None:
+        sp.min_new_tokens = as_int(g("min_new_tokens"), f"{where}.min_new_tokens", 0, sp.max_new_tokens)
     seed = g("sampling_seed") if g("sampling_seed") is not None else g("seed")
     if seed is not None:
         sp.seed = as_int(seed, f"{where}.sampling_seed", INT64_MIN, INT64_MAX)
