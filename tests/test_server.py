@@ -14,6 +14,7 @@ from bebop_megatron.data import CharTokenizer
 from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
 from bebop_megatron.rollout.modeling import CausalLMWithMTP
 from tests.server_utils import ServerProcess
+from tests.test_sglang_types import check_generate, sgl  # noqa: F401  (fixture)
 from tests.tiny_models import make_hf_checkpoint
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -182,7 +183,8 @@ def test_abort_and_pause_continue(server):
         time.sleep(0.05)
     assert server.post("/abort_request", {"rid": "long"}).json()["aborted"] == 1
     t.join(60)
-    assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    fr = result["r"].json()["meta_info"]["finish_reason"]
+    assert fr == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # SGLang's FINISH_ABORT()
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
     assert server.get("/get_server_info").json()["paused"]
     assert server.post("/continue_generation").json()["success"]
@@ -515,3 +517,75 @@ def test_sglang_logit_processors_and_stop_regex(server, ckpts):
     ids = plain["output_ids"]
     n = next(i for i in range(1, 13) if re.search(pat, CharTokenizer().decode(ids[:i])))
     assert r["output_ids"] == ids[:n] and n <= 4
+
+
+def test_sglang_logprob_options_and_meta_info(server, ckpts, sgl):  # noqa: F811
+    """logprob_start_len (first input entry null; max_new_tokens 0 scores the prompt only),
+    top_logprobs_num, token_ids_logprob, text in logprobs, output_token_logprobs_length, weight
+    version spans, the accepted-drafts histogram and num_retractions, in SGLang's response types."""
+    prompt = [5, 6, 7, 8, 9]
+    model = CausalLMWithMTP.from_pretrained(ckpts[0], dtype=torch.float64)
+    from bebop_megatron.rollout.modeling import make_batch_index
+    with torch.no_grad():
+        normed, _ = model.trunk(torch.tensor([prompt]), model.new_cache(1, 8, "trunk"), make_batch_index([0], [0], [5], "cpu"))
+        lsm = torch.log_softmax(model.logits(normed[0]).double(), -1)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 2, "token_ids_logprob": [1, 2], "return_text_in_logprobs": True}
+    check_generate(sgl, body)
+    r = server.post("/generate", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    sgl.api.GenerateResponse.from_json_value(out)
+    m = out["meta_info"]
+    assert out["output_ids"] == [] and m["finish_reason"] == {"type": "length", "length": 0}
+    assert [e[1] for e in m["input_token_logprobs"]] == prompt and m["input_token_logprobs"][0][0] is None
+    assert all(isinstance(e[2], str) for e in m["input_token_logprobs"])
+    ref = [lsm[j, prompt[j + 1]].item() for j in range(4)]
+    assert max(abs(e[0] - x) for e, x in zip(m["input_token_logprobs"][1:], ref)) < 1e-9
+    assert m["input_top_logprobs"][0] is None and [e[1] for e in m["input_top_logprobs"][1]] == lsm[0].topk(2).indices.tolist()
+    assert m["input_token_ids_logprobs"][0] is None and abs(m["input_token_ids_logprobs"][2][1][0] - lsm[1, 2].item()) < 1e-9
+    assert m["output_token_logprobs"] == [] and m["output_token_logprobs_length"] == 0
+
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "logprob_start_len": 3, "top_logprobs_num": 3}
+    out = server.post("/generate", body).json()
+    sgl.api.GenerateResponse.from_json_value(out)
+    m = out["meta_info"]
+    assert [e[1] for e in m["input_token_logprobs"]] == prompt[3:] and m["input_token_logprobs"][0][0] is None
+    assert m["output_token_logprobs_length"] == 6 and len(m["output_top_logprobs"]) == 6
+    assert [row[0][1] for row in m["output_top_logprobs"]] == out["output_ids"]  # greedy: the top-1 token
+    assert "output_token_ids_logprobs" not in m and m["num_retractions"] == 0
+    assert m["weight_versions"] == [{"version": m["weight_version"], "start": 0, "end": 6}]
+    hist = m["spec_correct_drafts_histogram"]
+    assert sum(hist) == m["spec_verify_ct"] and sum(k * c for k, c in enumerate(hist)) == m["spec_num_correct_drafts"]
+    # default logprob_start_len (-1): no prompt entries
+    out = server.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}).json()
+    assert out["meta_info"]["input_token_logprobs"] == [] and out["meta_info"]["output_token_logprobs_length"] == 2
+    for bad in ({"logprob_start_len": 6}, {"logprob_start_len": -2}, {"top_logprobs_num": -1},
+                {"token_ids_logprob": [99999]}, {"token_ids_logprob": "x"}, {"top_logprobs_num": 2 ** 64}):
+        r = server.post("/generate", {"input_ids": prompt, "return_logprob": True, **bad})
+        assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
+
+
+def test_weight_version_spans_across_a_version_change(server):
+    import threading
+    import time
+
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=server.post("/generate", {
+        "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}})))
+    t.start()
+    deadline = time.time() + 30
+    while server.get("/get_server_info").json()["internal_states"][0]["num_running_reqs"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    v0 = server.get("/get_weight_version").json()["weight_version"]
+    time.sleep(0.3)
+    assert server.post("/update_weight_version", {"new_version": "span-v2", "abort_all_requests": False}).status_code == 200
+    t.join(120)
+    server.post("/update_weight_version", {"new_version": v0, "abort_all_requests": False})
+    m = result["r"].json()["meta_info"]
+    spans = m["weight_versions"]
+    assert m["weight_version"] == "span-v2" and spans[-1]["end"] == m["completion_tokens"] == 400
+    assert [s["version"] for s in spans] == [v0, "span-v2"] and spans[0]["start"] == 0
+    assert 0 < spans[0]["end"] == spans[1]["start"] < 400

@@ -85,6 +85,10 @@ from bebop_megatron.rollout.sampling import (LogitProcessors, SamplingTensors, l
                                              reduced_draft_probs, round_uniforms, sample_with_uniform, verify_chain)
 
 
+# SGLang's FINISH_ABORT().to_json() for a client abort (status_code/err_type set for errors only)
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
 class RequestError(ValueError):
     """A request the engine cannot serve (bad ids, too long, bad sampling params)."""
 
@@ -194,10 +198,27 @@ class Request:
     spec_record_topk: int = 0
     spec_records: list[dict] = field(default_factory=list)
     counts: Optional[Tensor] = None  # [V] output-token counts, only for count-based penalties
+    # SGLang's logprob options (used with return_logprob): prompt logprobs from logprob_start_len
+    # (-1: none), top-k per position, and the logprobs of fixed token ids per position
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
+    input_token_logprobs: Optional[list] = None  # [(logprob | None, id)], the first logprob None
+    input_top_logprobs: Optional[list] = None  # [None | [(logprob, id)]]
+    input_token_ids_logprobs: Optional[list] = None
+    output_top_logprobs: list = field(default_factory=list)  # per output token: [(logprob, id)]
+    output_token_ids_logprobs: list = field(default_factory=list)
+    spec_histogram: list[int] = field(default_factory=list)  # verify steps by number of accepted drafts
+    retractions: int = 0
+    weight_events: list = field(default_factory=list)  # (old version, output length) at each version change
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.input_token_logprobs is None
 
 
 class Engine:
@@ -249,7 +270,13 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
-                    return_logprob: bool = False, on_update=None, spec_record_topk: int = 0) -> Request:
+                    return_logprob: bool = False, on_update=None, spec_record_topk: int = 0,
+                    logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                    token_ids_logprob: Optional[list[int]] = None) -> Request:
+        """Queue a request. With ``return_logprob``: ``logprob_start_len`` >= 0 also scores the
+        prompt from that position (SGLang's input_token_logprobs; with max_new_tokens 0 the request
+        only scores its prompt), ``top_logprobs_num`` and ``token_ids_logprob`` add per-position
+        top-k and fixed-id logprobs."""
         params.validate()
         if not isinstance(spec_record_topk, int) or spec_record_topk < 0 or spec_record_topk > 64:
             raise RequestError(f"spec_record_topk must be an integer in [0, 64], got {spec_record_topk!r}")
@@ -271,15 +298,26 @@ class Engine:
         if len(input_ids) + params.max_new_tokens > self.max_len:
             raise RequestError(f"prompt ({len(input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
                                f"exceeds the context length {self.max_len}")
+        if not return_logprob:
+            logprob_start_len, top_logprobs_num, token_ids_logprob = -1, 0, None
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len <= len(input_ids):
+            raise RequestError(f"logprob_start_len must be in [-1, {len(input_ids)}] (the prompt length), "
+                               f"got {logprob_start_len!r}")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= V:
+            raise RequestError(f"top_logprobs_num must be in [0, {V}], got {top_logprobs_num!r}")
+        if token_ids_logprob is not None and not all(isinstance(t, int) and 0 <= t < V for t in token_ids_logprob):
+            raise RequestError(f"token_ids_logprob must hold token ids in [0, {V})")
         req = Request(rid=rid or f"req-{next(self._rid)}", input_ids=list(input_ids), params=params,
-                      return_logprob=return_logprob, on_update=on_update, spec_record_topk=spec_record_topk)
+                      return_logprob=return_logprob, on_update=on_update, spec_record_topk=spec_record_topk,
+                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                      token_ids_logprob=list(token_ids_logprob) if token_ids_logprob is not None else None)
         g = torch.Generator()
         g.manual_seed(params.seed if params.seed is not None else torch.randint(0, 2**62, ()).item())
         req.generator = g
         if LogitProcessors.uses_counts(params):
             req.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
         with self.lock:
-            if params.max_new_tokens == 0:
+            if params.max_new_tokens == 0 and not req.wants_prompt_logprobs:
                 self._finish(req, {"type": "length", "length": 0})
             else:
                 self.waiting.append(req)
@@ -307,10 +345,10 @@ class Engine:
             for req in list(self.waiting):
                 if req.aborted:
                     self.waiting.remove(req)
-                    self._finish(req, {"type": "abort", "message": "aborted"})
+                    self._finish(req, dict(ABORTED))
             for req in list(self.running):
                 if req.aborted:
-                    self._release(req, {"type": "abort", "message": "aborted"})
+                    self._release(req, dict(ABORTED))
             decoding = sorted(self.running, key=lambda r: r.slot)  # consecutive slots: caches read as views
             admitted = []
             self.free_slots.sort(reverse=True)  # lowest slot first
@@ -417,6 +455,9 @@ class Engine:
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         lens = torch.tensor(lens_l, device=self.device)
         rows = torch.arange(len(reqs), device=self.device)
+        for i, r in enumerate(reqs):
+            if r.wants_prompt_logprobs:
+                self._prompt_logprobs(r, normed[i, : len(r.input_ids) - 1])
         logits = self.model.logits(normed[rows, lens - 1])
         if self.gamma:  # MTP runs over the prompt in the first draft pass, batched with the others
             pos = b.positions.clamp(max=self.cache_len - 1)
@@ -430,8 +471,45 @@ class Engine:
         if self.gamma:
             self.tok[sl, lens] = new_tokens
         for i, r in enumerate(reqs):
+            if r.params.max_new_tokens == 0:  # prompt scoring only
+                self._release(r, {"type": "length", "length": 0})
+                continue
             self._commit(r, [int(new_tokens[i])], logits[i: i + 1])
             self._check_done(r)
+
+    def _prompt_logprobs(self, r: Request, normed: Tensor) -> None:
+        """SGLang's input logprobs from ``logprob_start_len`` s: the entry of prompt token s has no
+        logprob (None), token t > s gets log p(x_t | x_<t); ``normed`` holds positions 0..len-2."""
+        s, ids = r.logprob_start_len, r.input_ids
+        r.input_token_logprobs = [(None, ids[s])] if s < len(ids) else []
+        r.input_top_logprobs = [None] if s < len(ids) and r.top_logprobs_num else ([] if r.top_logprobs_num else None)
+        r.input_token_ids_logprobs = ([None] if s < len(ids) else []) if r.token_ids_logprob is not None else None
+        if s + 1 >= len(ids):
+            return
+        lsm = self._log_probs(r, self.model.logits(normed[s:]))  # rows predict tokens s+1..len-1
+        tgt = torch.tensor(ids[s + 1:], device=lsm.device)
+        r.input_token_logprobs += list(zip(lsm.gather(-1, tgt[:, None]).squeeze(-1).tolist(), ids[s + 1:]))
+        if r.top_logprobs_num:
+            r.input_top_logprobs += self._top(lsm, r.top_logprobs_num)
+        if r.token_ids_logprob is not None:
+            r.input_token_ids_logprobs += self._fixed(lsm, r.token_ids_logprob)
+
+    @staticmethod
+    def _log_probs(r: Request, logits: Tensor) -> Tensor:
+        t = r.params.temperature if r.params.temperature > 0 else 1.0
+        return torch.log_softmax(logits.double() / t, -1)
+
+    @staticmethod
+    def _top(lsm: Tensor, k: int) -> list:
+        top = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+        return [list(zip(v, i)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+
+    @staticmethod
+    def _fixed(lsm: Tensor, ids: list[int]) -> list:
+        if not ids:
+            return [[] for _ in range(lsm.shape[0])]
+        vals = lsm[:, torch.tensor(ids, device=lsm.device)].tolist()
+        return [list(zip(v, ids)) for v in vals]
 
     def _sample(self, reqs: list[Request], logits: Tensor) -> Tensor:
         probs = process_logits(logits, self._sampling(reqs), self.sampling_dtype)
@@ -507,6 +585,9 @@ class Engine:
                 r.spec_records.append({"pos": before - 2, "accepted": acc, "topk_ids": top.indices.tolist(),
                                        "topk_probs": [[round(x, 6) for x in row] for row in top.values.tolist()]})
             r.verify_ct += 1
+            if len(r.spec_histogram) <= acc:
+                r.spec_histogram.extend([0] * (acc + 1 - len(r.spec_histogram)))
+            r.spec_histogram[acc] += 1
             r.proposed += proposed
             r.accepted += acc
             r.verify_tokens += n_emit
@@ -604,14 +685,19 @@ class Engine:
         return self._draft_head_rows
 
     def _commit(self, r: Request, tokens: list[int], logits_rows: Tensor) -> None:
-        lp = None
+        lp = top = fixed = None
         if r.return_logprob:
-            t = r.params.temperature if r.params.temperature > 0 else 1.0
-            lsm = torch.log_softmax(logits_rows[: len(tokens)].double() / t, -1)
+            lsm = self._log_probs(r, logits_rows[: len(tokens)])
             lp = lsm.gather(-1, torch.tensor(tokens, device=lsm.device)[:, None]).squeeze(-1).tolist()
+            top = self._top(lsm, r.top_logprobs_num) if r.top_logprobs_num else None
+            fixed = self._fixed(lsm, r.token_ids_logprob) if r.token_ids_logprob is not None else None
         for j, tok in enumerate(tokens):
             r.tokens.append(tok)
             r.output_ids.append(tok)
+            if top is not None:
+                r.output_top_logprobs.append(top[j])
+            if fixed is not None:
+                r.output_token_ids_logprobs.append(fixed[j])
             if r.counts is not None:
                 r.counts[tok] += 1
             if lp is not None:
@@ -656,8 +742,7 @@ class Engine:
             if s in text:
                 for n in range(1, len(r.output_ids) + 1):
                     if s in self.tokenizer.decode(r.output_ids[:n]):
-                        del r.output_ids[n:]
-                        del r.output_logprobs[n:]
+                        self._truncate(r, n)
                         break
                 return s
         return None
@@ -679,14 +764,18 @@ class Engine:
                 if search(pat, text):
                     for n in range(1, len(r.output_ids) + 1):
                         if search(pat, self.tokenizer.decode(r.output_ids[:n])):
-                            del r.output_ids[n:]
-                            del r.output_logprobs[n:]
+                            self._truncate(r, n)
                             break
                     return pat
         except TimeoutError:
             return {"type": "abort", "message": "stop_regex search exceeded its time budget",
                     "status_code": 400, "err_type": "BadRequestError"}
         return None
+
+    @staticmethod
+    def _truncate(r: Request, n: int) -> None:
+        for xs in (r.output_ids, r.output_logprobs, r.output_top_logprobs, r.output_token_ids_logprobs):
+            del xs[n:]
 
     def _release(self, r: Request, reason: dict) -> None:
         if r in self.running:
@@ -717,6 +806,7 @@ class Engine:
         with self.lock:
             n = len(self.running)
             for r in reversed(self.running):
+                r.retractions += 1
                 self.free_slots.append(r.slot)
                 r.slot = -1
                 self.waiting.appendleft(r)
@@ -728,8 +818,32 @@ class Engine:
         with self.lock:
             loaded = self.model.load_hf_state_dict(tensors, strict=False)
             if version is not None:
-                self.weight_version = str(version)
+                self.set_weight_version(str(version))
             return loaded
+
+    def set_weight_version(self, version: str) -> None:
+        """Change the version label; in-flight requests with output record where the old one ended
+        (SGLang's weight-version spans)."""
+        with self.lock:
+            for r in list(self.running) + list(self.waiting):
+                if r.output_ids:
+                    r.weight_events.append((self.weight_version, len(r.output_ids)))
+            self.weight_version = version
+
+    @staticmethod
+    def weight_version_spans(r: Request, current: str) -> list[dict]:
+        """``[{version, start, end}]`` over the output tokens, as SGLang's meta_info weight_versions."""
+        n = len(r.output_ids)
+        spans: list[dict] = []
+        for version, end in list(r.weight_events) + [(current, n)]:
+            end = min(end, n)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = end
+                continue
+            spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+        return [sp for sp in spans if sp["start"] < n or sp["start"] == 0]
 
     def stats(self) -> dict:
         ver = self.total_verify_ct

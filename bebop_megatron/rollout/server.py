@@ -187,9 +187,13 @@ class EngineWorker:
         gi, reqs = sub.gi, []
         try:
             for i, (ids, sp, lp, rid) in enumerate(zip(gi.prompts, gi.params, gi.return_logprob, gi.rids)):
+                opts = {}
+                if i < len(gi.logprob_start_len):
+                    opts = dict(logprob_start_len=gi.logprob_start_len[i], top_logprobs_num=gi.top_logprobs_num[i],
+                                token_ids_logprob=gi.token_ids_logprob[i])
                 reqs.append(self.engine.add_request(ids, sp, rid=rid, return_logprob=lp,
                                                     spec_record_topk=gi.return_spec_records,
-                                                    on_update=_bind(sub.on_update, i)))
+                                                    on_update=_bind(sub.on_update, i), **opts))
         except Exception as e:  # noqa: BLE001 - the request fails alone
             for r in reqs:
                 r.aborted = True
@@ -260,6 +264,10 @@ def _snapshot(r: Request) -> Request:
     s.accepted_per_depth = list(r.accepted_per_depth)
     s.reached_per_depth = list(r.reached_per_depth)
     s.spec_records = list(r.spec_records)
+    s.output_top_logprobs = list(r.output_top_logprobs)
+    s.output_token_ids_logprobs = list(r.output_token_ids_logprobs)
+    s.spec_histogram = list(r.spec_histogram)
+    s.weight_events = list(r.weight_events)
     return s
 
 
@@ -319,27 +327,45 @@ class BebopServer:
 
     def _meta(self, r: Request) -> dict:
         completion = len(r.output_ids)
+        spans = self.engine.weight_version_spans(r, self.engine.weight_version)
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": r.finish_reason,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": completion,
             "cached_tokens": 0,
-            "weight_version": self.engine.weight_version,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+            "num_retractions": r.retractions,
             "e2e_latency": time.time() - r.created,
         }
         if r.return_logprob:
-            if getattr(r, "return_text_in_logprobs", False):
-                meta["output_token_logprobs"] = [[lp, t, self._decode([t])]
-                                                 for lp, t in zip(r.output_logprobs, r.output_ids)]
-            else:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            text = bool(getattr(r, "return_text_in_logprobs", False))
+            meta["input_token_logprobs"] = self._logprob_entries(r.input_token_logprobs or [], text)
+            meta["output_token_logprobs"] = self._logprob_entries(list(zip(r.output_logprobs, r.output_ids)), text)
+            meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+            if r.top_logprobs_num:
+                meta["input_top_logprobs"] = self._position_entries(r.input_top_logprobs or [], text)
+                meta["output_top_logprobs"] = self._position_entries(r.output_top_logprobs, text)
+            if r.token_ids_logprob is not None:
+                meta["input_token_ids_logprobs"] = self._position_entries(r.input_token_ids_logprobs or [], text)
+                meta["output_token_ids_logprobs"] = self._position_entries(r.output_token_ids_logprobs, text)
         if self.engine.gamma:
             meta.update(spec_meta_info(r.verify_ct, completion, r.accepted, r.proposed, r.accepted_per_depth,
                                        r.reached_per_depth))
+            if r.spec_histogram:
+                meta["spec_correct_drafts_histogram"] = list(r.spec_histogram)
             if r.spec_record_topk:
                 meta["spec_verify_records"] = r.spec_records
         return meta
+
+    def _logprob_entries(self, pairs: list, text: bool) -> list:
+        """SGLang's ``[logprob, token_id, text | None]`` entries."""
+        return [[lp, t, self._decode([t]) if text else None] for lp, t in pairs]
+
+    def _position_entries(self, rows: list, text: bool) -> list:
+        """Per position: None (SGLang's first input position) or a list of entries."""
+        return [None if row is None else self._logprob_entries(row, text) for row in rows]
 
     def _result(self, r: Request) -> dict:
         return {"text": self._text(r), "output_ids": list(r.output_ids), "meta_info": self._meta(r)}
@@ -662,7 +688,7 @@ class BebopServer:
                 as_bool(body.get("abort_all_requests"), "abort_all_requests")
             if abort:
                 server.worker.abort(None)
-            server.engine.weight_version = new
+            await asyncio.to_thread(server.engine.set_weight_version, new)
             return {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -53,6 +53,8 @@ ACCEPTED_SAMPLING = {"custom_params", "stream_interval"}
 MAX_STOP_REGEX_COUNT = 32  # SGLang's limits
 MAX_STOP_REGEX_BYTES = 256
 MAX_LOGIT_BIAS = 1e6
+MAX_TOP_LOGPROBS = 1024
+MAX_TOKEN_IDS_LOGPROB = 1024
 MAX_STREAM_INTERVAL = 1 << 20
 
 
@@ -297,6 +299,10 @@ class GenerateInput:
     stream_interval: list[int] = field(default_factory=list)  # per sequence (SGLang: tokens per SSE event)
     return_text_in_logprobs: bool = False
     extras: dict = field(default_factory=dict)
+    # per sequence, SGLang's logprob options (see Engine.add_request)
+    logprob_start_len: list[int] = field(default_factory=list)
+    top_logprobs_num: list[int] = field(default_factory=list)
+    token_ids_logprob: list[Optional[list[int]]] = field(default_factory=list)
 
 
 def _listify(value: Any, n: int, name: str) -> list:
@@ -374,9 +380,27 @@ def validate_generate(body: Any, limits: Limits, tokenize: Callable[[str], list[
                                 else f"sampling_params[{i}]") for i, d in enumerate(sps)]
     if len({n for _, n in parsed}) > 1:
         raise BadRequest("all prompts of a batch must use the same n (SGLang's rule)")
+    starts = [-1 if x is None else as_int(x, "logprob_start_len", -1, limits.context_length)
+              for x in _listify(body.get("logprob_start_len"), B, "logprob_start_len")]
+    for p, st in zip(prompts, starts):
+        if st > len(p):
+            raise BadRequest(f"logprob_start_len={st} is higher than the number of input tokens {len(p)}")
+    tops = [0 if x is None else as_int(x, "top_logprobs_num", 0, min(limits.vocab_size, MAX_TOP_LOGPROBS))
+            for x in _listify(body.get("top_logprobs_num"), B, "top_logprobs_num")]
+    tids = body.get("token_ids_logprob")
+    if tids is None or (isinstance(tids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tids)):
+        tids = [tids] * B  # one list (or none) for every prompt
+    elif not isinstance(tids, list) or len(tids) != B:
+        raise BadRequest("token_ids_logprob must be a list of token ids, or one such list per prompt")
+    for t in tids:
+        if t is not None:
+            if not isinstance(t, list) or len(t) > MAX_TOKEN_IDS_LOGPROB:
+                raise BadRequest(f"token_ids_logprob must list at most {MAX_TOKEN_IDS_LOGPROB} token ids")
+            for x in t:
+                as_int(x, "token_ids_logprob[]", 0, limits.vocab_size - 1)
     intervals = [1 if not isinstance(d, dict) or d.get("stream_interval") is None else
                  as_int(d["stream_interval"], "sampling_params.stream_interval", 1, MAX_STREAM_INTERVAL) for d in sps]
-    for p, (sp, n), lp, r, si in zip(prompts, parsed, lps, rids, intervals):
+    for p, (sp, n), lp, r, si, st, tp, ti in zip(prompts, parsed, lps, rids, intervals, starts, tops, tids):
         if len(p) + sp.max_new_tokens > limits.context_length:
             raise BadRequest(f"prompt ({len(p)}) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
                              f"length {limits.context_length}")
@@ -389,6 +413,9 @@ def validate_generate(body: Any, limits: Limits, tokenize: Callable[[str], list[
             out.params.append(spj)
             out.return_logprob.append(lp)
             out.stream_interval.append(si)
+            out.logprob_start_len.append(st)
+            out.top_logprobs_num.append(tp)
+            out.token_ids_logprob.append(list(ti) if ti is not None else None)
             out.rids.append((r if n == 1 else f"{r}-{j}") if r is not None else None)
     if len(out.prompts) > limits.max_batch:
         raise BadRequest(f"at most {limits.max_batch} sequences (prompts x n) per request")
