@@ -589,3 +589,85 @@ def test_weight_version_spans_across_a_version_change(server):
     assert m["weight_version"] == "span-v2" and spans[-1]["end"] == m["completion_tokens"] == 400
     assert [s["version"] for s in spans] == [v0, "span-v2"] and spans[0]["start"] == 0
     assert 0 < spans[0]["end"] == spans[1]["start"] < 400
+
+
+def char_chat_tokenizer(d):
+    """A Hugging Face tokenizer with the char ids of CharTokenizer and a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CharTokenizer.ALPHABET)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", eos_token="<eos>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.save_pretrained(d)
+    return d
+
+
+def test_v1_chat_completions(ckpts, tmp_path, server):
+    """/v1/chat/completions through the tokenizer's chat template, as OpenAI and SGLang shape it
+    (matched_stop, logprobs.content, n, usage, streaming); no template: a clear 400."""
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    s = ServerProcess(ckpts[0], *SPEC, "--tokenizer", str(char_chat_tokenizer(tmp_path / "tok")))
+    try:
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "1+1=?"}]}]
+        ids = CharTokenizer().encode("system:be brief;user:1+1=?;assistant:")
+        base = {"messages": msgs, "temperature": 0, "max_tokens": 8, "ignore_eos": True, "model": "m"}
+        out = s.post("/v1/chat/completions", base).json()
+        ref = s.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                         "ignore_eos": True}}).json()
+        c = out["choices"][0]
+        assert out["object"] == "chat.completion" and out["model"] == "m"
+        assert c["message"] == {"role": "assistant", "content": ref["text"]} and c["finish_reason"] == "length"
+        assert c["matched_stop"] is None and c["logprobs"] is None
+        assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
+        # max_completion_tokens, n, logprobs with top_logprobs
+        out = s.post("/v1/chat/completions", {**base, "max_tokens": None, "max_completion_tokens": 5, "n": 2,
+                                              "temperature": 1.0, "logprobs": True, "top_logprobs": 2}).json()
+        assert len(out["choices"]) == 2 and out["usage"]["completion_tokens"] == 10
+        content = out["choices"][1]["logprobs"]["content"]
+        assert len(content) == 5 and all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content)
+        assert "".join(e["token"] for e in content) == out["choices"][1]["message"]["content"]
+        # stop string: trimmed, reported as matched_stop
+        text = ref["text"]
+        out = s.post("/v1/chat/completions", {**base, "stop": [text[3]]}).json()
+        c = out["choices"][0]
+        assert c["finish_reason"] == "stop" and c["matched_stop"] == text[3]
+        assert c["message"]["content"] == text[: text.index(text[3])]
+        # streaming: role first, deltas add up, the finish on the last choice chunk, usage, [DONE]
+        with httpx.stream("POST", s.url + "/v1/chat/completions", headers=s.headers, timeout=60,
+                          json={**base, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            lines = [l[6:] for l in resp.iter_lines() if l.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(x) for x in lines[:-1]]
+        deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
+        assert deltas[0]["delta"]["role"] == "assistant" and all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+        assert "".join(d["delta"].get("content", "") for d in deltas) == ref["text"]
+        assert deltas[-1]["finish_reason"] == "length" and all(d["finish_reason"] is None for d in deltas[:-1])
+        assert chunks[-1]["usage"]["completion_tokens"] == 8
+        for bad in ({"messages": []}, {"messages": [{"role": "user"}], "top_logprobs": 2},
+                    {"messages": "hi"}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+                    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
+            r = s.post("/v1/chat/completions", bad)
+            assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
+    finally:
+        s.stop()
+
+
+def test_v1_completions_matched_stop_logprobs_and_echo(server):
+    body = {"prompt": "3*4=", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    full = server.post("/v1/completions", body).json()["choices"][0]
+    assert full["matched_stop"] is None and full["finish_reason"] == "length"
+    ids = server.post("/generate", {"text": "3*4=", "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                        "ignore_eos": True}}).json()["output_ids"]
+    c = server.post("/v1/completions", {**body, "stop_token_ids": [ids[2]]}).json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["matched_stop"] == ids[2]
+    c = server.post("/v1/completions", {**body, "logprobs": 2, "echo": True}).json()["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == "3*4=" + full["text"] and lp["token_logprobs"][0] is None and len(lp["tokens"]) == 10
+    assert lp["top_logprobs"][0] is None and all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][:5] == [0, 1, 2, 3, 4]
