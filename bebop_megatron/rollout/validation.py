@@ -213,13 +213,13 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
     if g("repetition_penalty") is not None:
         sp.repetition_penalty = as_float(g("repetition_penalty"), f"{where}.repetition_penalty", 0.0, 2.0,
                                          lo_open=True)
-    regex = g("stop_regex")
-    if regex is not None:
-        regex = [regex] if isinstance(regex, str) else regex
-        if not isinstance(regex, list) or len(regex) > MAX_STOP_REGEX_COUNT:
+    patterns = g("stop_regex")
+    if patterns is not None:
+        patterns = [patterns] if isinstance(patterns, str) else patterns
+        if not isinstance(patterns, list) or len(patterns) > MAX_STOP_REGEX_COUNT:
             raise BadRequest(f"{where}.stop_regex must be a string or a list of at most {MAX_STOP_REGEX_COUNT} "
                              "strings")
-        for pat in regex:
+        for pat in patterns:
             as_str(pat, f"{where}.stop_regex[]", MAX_STOP_REGEX_BYTES, allow_empty=False)
             if len(pat.encode("utf-8")) > MAX_STOP_REGEX_BYTES:
                 raise BadRequest(f"{where}.stop_regex is over the {MAX_STOP_REGEX_BYTES}-byte limit")
@@ -228,7 +228,7 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
                 regex.compile(pat)  # the engine searches with ``regex`` (it has a timeout)
             except (re.error, regex.error, RecursionError, OverflowError, ValueError) as e:
                 raise BadRequest(f"{where}.stop_regex {_short(pat)} is not a valid regular expression: {e}") from None
-        sp.stop_regex = list(regex)
+        sp.stop_regex = list(patterns)
     n = 1 if g("n") is None else as_int(g("n"), f"{where}.n", 1, limits.max_n)
     if g("max_new_tokens") is not None:
         sp.max_new_tokens = as_int(g("max_new_tokens"), f"{where}.max_new_tokens", 0, limits.context_length)
