@@ -228,8 +228,11 @@ def test_bad_requests_fail_alone_good_ones_finish(target):
     def good_client(i):
         for j in range(2):
             stream = (i + j) % 2 == 0
-            body = {"input_ids": [5, 6, 7], "stream": stream,
-                    "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True}}
+            sp = {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+            if i % 2:  # SGLang's logit processors on half of the good requests
+                sp.update(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1, logit_bias={"5": 1.0},
+                          min_new_tokens=5, stop_regex="^never$")
+            body = {"input_ids": [5, 6, 7], "stream": stream, "sampling_params": sp}
             try:
                 r = httpx.post(s.url + "/generate", json=body, timeout=120)
                 if stream:
@@ -244,7 +247,9 @@ def test_bad_requests_fail_alone_good_ones_finish(target):
 
     bad_sps = [{"top_k": 2**63}, {"top_k": 9223372036854775808}, {"seed": 2**64}, {"sampling_seed": -(2**63) - 1},
                {"temperature": 10**400}, {"max_new_tokens": 2**64}, {"n": 2**64}, {"top_p": 0},
-               {"stop_token_ids": [-1]}, {"min_p": 2}]
+               {"stop_token_ids": [-1]}, {"min_p": 2}, {"repetition_penalty": 0}, {"frequency_penalty": 3},
+               {"logit_bias": {"99999": 1}}, {"logit_bias": {"1": 1e300}}, {"stop_regex": "("},
+               {"min_new_tokens": 2**64}, {"stop_regex": ["a"] * 33}]
 
     def bad_client():
         for k in range(2):
