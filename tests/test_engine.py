@@ -523,6 +523,10 @@ def test_stop_regex_trims_and_a_pathological_pattern_aborts_alone(qwen3_dir):
                                                 stop_regex=[pat]))[0]
     n = next(i for i in range(1, 13) if re.search(pat, tok.decode(free.output_ids[:i])))
     assert r.finish_reason == {"type": "stop", "matched": pat} and r.output_ids == free.output_ids[:n]
+    # an end-anchored pattern stops speculation where plain decoding stops (prefixes inside a step count)
+    sp = lambda: SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_regex=[pat + "$"])  # noqa: E731
+    plain = Engine(model, tok, SpecConfig("none"), max_running=1, max_len=64).generate([[1, 2, 3]], sp())[0]
+    assert eng.generate([[1, 2, 3]], sp())[0].output_ids == plain.output_ids == free.output_ids[:n]
 
     class Repeat:  # decodes any ids to a text on which (a|aa)+$ backtracks exponentially
         def decode(self, ids):

@@ -210,6 +210,7 @@ class Request:
     output_token_ids_logprobs: list = field(default_factory=list)
     spec_histogram: list[int] = field(default_factory=list)  # verify steps by number of accepted drafts
     retractions: int = 0
+    stop_regex_checked: int = 0  # output tokens whose prefixes were searched for stop_regex
     weight_events: list = field(default_factory=list)  # (old version, output length) at each version change
 
     @property
@@ -758,15 +759,15 @@ class Engine:
         def search(pat: str, text: str) -> bool:
             return regex.search(pat, text, timeout=max(deadline - time.monotonic(), 1e-4)) is not None
 
-        try:
-            text = self.tokenizer.decode(r.output_ids)
-            for pat in r.params.stop_regex:
-                if search(pat, text):
-                    for n in range(1, len(r.output_ids) + 1):
-                        if search(pat, self.tokenizer.decode(r.output_ids[:n])):
-                            self._truncate(r, n)
-                            break
-                    return pat
+        try:  # every prefix ending in a token new since the last check (an end-anchored pattern can
+            # match after a draft accepted mid-step only), shortest first, as plain decoding would stop
+            for n in range(r.stop_regex_checked + 1, len(r.output_ids) + 1):
+                text = self.tokenizer.decode(r.output_ids[:n])
+                for pat in r.params.stop_regex:
+                    if search(pat, text):
+                        self._truncate(r, n)
+                        return pat
+            r.stop_regex_checked = len(r.output_ids)
         except TimeoutError:
             return {"type": "abort", "message": "stop_regex search exceeded its time budget",
                     "status_code": 400, "err_type": "BadRequestError"}
