@@ -24,6 +24,7 @@ setup(
         "fastapi",  # bebop serve: the SGLang-compatible HTTP API
         "uvicorn",
         "httpx",  # the rollout bridge's async client
+        "regex",  # stop_regex searched with a timeout (a pathological pattern fails its request alone)
     ],
     extras_require={
         # GPU-only; never the unrelated PyPI package named "apex".

@@ -404,3 +404,141 @@ def test_adaptive_gamma_is_exact_and_follows_cost(qwen3_dir):
     # a predicted gain below the margin is not taken: drafts are free but E[tokens] is only 1.04
     hist = run(lambda g: 1.0, 0.04)
     assert hist[0] >= sum(hist) - measured - sum(hist) // Engine.ADAPTIVE_REMEASURE - 2, hist
+
+
+PROCESSORS = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.8, presence_penalty=0.5),
+              dict(repetition_penalty=0.7, presence_penalty=-0.3), dict(logit_bias={7: 4.0, 9: -3.0})]
+
+
+@pytest.mark.parametrize("kw", PROCESSORS)
+def test_penalties_greedy_speculation_equals_plain_and_change_output(qwen3_dir, kw):
+    """SGLang's logit processors act on the target p; greedy speculation stays token-for-token
+    plain decoding (verify position j counts the drafts before it), mixed with neutral requests."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]]
+
+    def params(kw):  # request 2 stays neutral: the batch mixes processed and plain rows
+        return [SamplingParams(max_new_tokens=24, temperature=0.0, **(kw if i != 2 else {})) for i in range(4)]
+
+    plain = Engine(model, spec=SpecConfig("none"), max_running=4, max_len=64).generate(prompts, params(kw))
+    spec = Engine(model, spec=SpecConfig("mtp", 3, "rejection"), max_running=4, max_len=64).generate(prompts, params(kw))
+    none = Engine(model, spec=SpecConfig("none"), max_running=4, max_len=64).generate(prompts, params({}))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert plain[2].output_ids == none[2].output_ids
+    assert any(a.output_ids != b.output_ids for a, b in zip(plain, none))
+
+
+def test_min_new_tokens_masks_stop_tokens(qwen3_dir):
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    free = Engine(model, spec=SpecConfig("none"), max_running=1, max_len=64).generate(
+        [[1, 2, 3]], SamplingParams(max_new_tokens=24, temperature=0.0))[0].output_ids
+    stop = free[1]  # greedy would stop at the second token
+    for spec in (SpecConfig("none"), SpecConfig("mtp", 3)):
+        eng = Engine(model, spec=spec, max_running=1, max_len=64)
+        early = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=24, temperature=0.0,
+                                                        stop_token_ids=[stop]))[0]
+        assert len(early.output_ids) == 2 and early.finish_reason == {"type": "stop", "matched": stop}
+        late = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[stop],
+                                                       min_new_tokens=12))[0]
+        assert len(late.output_ids) >= 12 and stop not in late.output_ids[:11]
+    with pytest.raises(RequestError, match="min_new_tokens"):
+        eng.add_request([1], SamplingParams(max_new_tokens=4, min_new_tokens=5))
+
+
+def _reference_processed(logits: torch.Tensor, outputs: list[int], kw: dict, stop_ids: list[int]) -> torch.Tensor:
+    """A token-by-token restatement of SGLang's penalizers (output counts; additive, then
+    repetition, then logit_bias) for one context."""
+    z = logits.clone()
+    for t in set(outputs):
+        z[t] -= kw.get("frequency_penalty", 0.0) * outputs.count(t) + kw.get("presence_penalty", 0.0)
+    if len(outputs) < kw.get("min_new_tokens", 0):
+        z[stop_ids] = float("-inf")
+    rp = kw.get("repetition_penalty", 1.0)
+    for t in set(outputs):
+        z[t] = z[t] * rp if z[t] < 0 else z[t] / rp
+    for t, b in (kw.get("logit_bias") or {}).items():
+        z[t] += b
+    return z
+
+
+def test_penalised_speculation_joint_law_matches_penalised_target(qwen3_dir):
+    """Rejection-sampled speculation with every processor on emits (a, b, c) with the exact law of
+    plain decoding under the same processors (chi-square, float32 fast path)."""
+    from tests.test_sampling import chi2_pvalue
+
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    prompt, N, V = [5, 6, 7], 4000, model.config.vocab_size
+    # negative penalties make repeats likely: the verifier must count the draft accepted before c
+    kw = dict(repetition_penalty=0.5, frequency_penalty=-1.0, presence_penalty=-1.0, logit_bias={3: 1.5}, min_new_tokens=2)
+    with torch.no_grad():
+        def raw(seqs):
+            ids = torch.tensor(seqs)
+            b = make_batch_index(list(range(len(seqs))), [0] * len(seqs), [ids.shape[1]] * len(seqs), "cpu")
+            normed, _ = model.trunk(ids, model.new_cache(len(seqs), ids.shape[1], "trunk"), b)
+            return model.logits(normed[:, -1])
+
+        za = raw([prompt])[0]
+        pa = torch.softmax(_reference_processed(za, [], kw, [0]), -1)
+        stop = int(pa.argmax())  # a likely token: min_new_tokens has mass to move
+        pa = torch.softmax(_reference_processed(za, [], kw, [stop]), -1)
+        zb = raw([prompt + [a] for a in range(V)])
+        pb = torch.stack([torch.softmax(_reference_processed(zb[a], [a], kw, [stop]), -1) for a in range(V)])
+        zc = raw([prompt + [a, b] for a in range(V) for b in range(V)])
+        pc = torch.stack([torch.softmax(_reference_processed(zc[a * V + b], [a, b], kw, [stop]), -1)
+                          for a in range(V) for b in range(V)]).view(V, V, V)
+    exact = (pa.view(V, 1, 1) * pb.view(V, V, 1) * pc).flatten()
+    eng = Engine(model, spec=SpecConfig("mtp", 3, "rejection"), max_running=500, max_len=16)
+    reqs = eng.generate([prompt] * N, [SamplingParams(max_new_tokens=3, temperature=1.0, seed=i, ignore_eos=True,
+                                                      stop_token_ids=[stop], **kw) for i in range(N)])
+    out = torch.tensor([r.output_ids for r in reqs])
+    assert eng.stats()["spec_verify_ct"] > 0 and not bool((out[:, :2] == stop).any())
+    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V ** 3).double()
+    big = exact * N >= 5
+    pvalue = chi2_pvalue(torch.cat([counts[big], counts[~big].sum().view(1)]),
+                         torch.cat([exact[big], exact[~big].sum().view(1)]))
+    assert pvalue > 1e-4 and int(big.sum()) > 20
+    # targeted: requests done in one verify step drew c at verify position 1, after the accepted
+    # draft b; given (a, b) and that acceptance, c ~ p(. | a b) exactly, so its repeats c == b
+    # (made likely by the negative penalties) only match if the verifier counts that draft
+    one = torch.tensor([r.verify_ct == 1 for r in reqs])
+    sel = out[one]
+    p_rep = pc[sel[:, 0], sel[:, 1], sel[:, 1]]
+    obs, exp = float((sel[:, 2] == sel[:, 1]).sum()), float(p_rep.sum())
+    assert len(sel) > 100 and abs(obs - exp) < 4 * float((p_rep * (1 - p_rep)).sum()) ** 0.5 + 1, (obs, exp)
+
+
+def test_stop_regex_trims_and_a_pathological_pattern_aborts_alone(qwen3_dir):
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    tok = CharTokenizer()
+    eng = Engine(model, tok, SpecConfig("mtp", 3), max_running=2, max_len=64)
+    free = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    text = tok.decode(free.output_ids)
+    import re
+    pat = re.escape(text[4])
+    r = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True,
+                                                stop_regex=[pat]))[0]
+    n = next(i for i in range(1, 13) if re.search(pat, tok.decode(free.output_ids[:i])))
+    assert r.finish_reason == {"type": "stop", "matched": pat} and r.output_ids == free.output_ids[:n]
+    # an end-anchored pattern stops speculation where plain decoding stops (prefixes inside a step count)
+    sp = lambda: SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_regex=[pat + "$"])  # noqa: E731
+    plain = Engine(model, tok, SpecConfig("none"), max_running=1, max_len=64).generate([[1, 2, 3]], sp())[0]
+    assert eng.generate([[1, 2, 3]], sp())[0].output_ids == plain.output_ids == free.output_ids[:n]
+
+    class Repeat:  # decodes any ids to a text on which (a|aa)+$ backtracks exponentially
+        def decode(self, ids):
+            return "a" * 60 + "b"
+
+    eng.tokenizer = Repeat()
+    bad = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True,
+                                                    stop_regex="(a|aa)+$"))
+    good = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    while not (bad.finished and good.finished):
+        eng.step()
+    assert bad.finish_reason["type"] == "abort" and bad.finish_reason["err_type"] == "BadRequestError"
+    assert good.output_ids == free.output_ids[:8] and good.finish_reason["type"] == "length"
+    with pytest.raises(RequestError, match="stop_regex"):
+        eng.add_request([1], SamplingParams(stop_regex=["("]))

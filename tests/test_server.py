@@ -14,6 +14,7 @@ from bebop_megatron.data import CharTokenizer
 from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
 from bebop_megatron.rollout.modeling import CausalLMWithMTP
 from tests.server_utils import ServerProcess
+from tests.test_sglang_types import check_generate, sgl  # noqa: F401  (fixture)
 from tests.tiny_models import make_hf_checkpoint
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -129,7 +130,14 @@ def test_api_key_required(server):
     ({"input_ids": []}, 400),
     ({"text": "hi", "input_ids": [1]}, 400),
     ({"text": 5}, 400),
-    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, 400),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}}, 400),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}, 400),
+    ({"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, 400),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"99999": 1.0}}}, 400),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"3": 1e300}}}, 400),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": "(unclosed"}}, 400),
+    ({"input_ids": [1], "sampling_params": {"stop_regex": ["x" * 300]}}, 400),
+    ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, 400),
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 400),
     ({"input_ids": [1], "sampling_params": {"n": 0}}, 400),
     ({"text": "é"}, 400),
@@ -175,7 +183,8 @@ def test_abort_and_pause_continue(server):
         time.sleep(0.05)
     assert server.post("/abort_request", {"rid": "long"}).json()["aborted"] == 1
     t.join(60)
-    assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    fr = result["r"].json()["meta_info"]["finish_reason"]
+    assert fr == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # SGLang's FINISH_ABORT()
     assert server.post("/pause_generation", {"mode": "in_place"}).json()["success"]
     assert server.get("/get_server_info").json()["paused"]
     assert server.post("/continue_generation").json()["success"]
@@ -460,7 +469,6 @@ def test_sglang_info_routes_weight_version_and_accepted_params(server):
     out = r.json()
     assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
     assert all(isinstance(txt, str) for _, _, txt in out["meta_info"]["output_token_logprobs"])
-    assert server.post("/generate", {"input_ids": [5], "sampling_params": {"logit_bias": {"5": 2.0}}}).status_code == 400
     with httpx.stream("POST", server.url + "/generate", headers=server.headers, timeout=60,
                       json={"input_ids": [5, 6, 7], "stream": True, "sampling_params": sp}) as resp:
         events = [json.loads(l[6:]) for l in resp.iter_lines() if l.startswith("data: {")]
@@ -486,3 +494,180 @@ def test_v1_completions_streaming(server):
     # usage counts each prompt once with n > 1
     r = server.post("/v1/completions", {"prompt": "3*4=", "max_tokens": 2, "n": 3}).json()
     assert r["usage"]["prompt_tokens"] == 4 and r["usage"]["completion_tokens"] == 6 and len(r["choices"]) == 3
+
+
+def test_sglang_logit_processors_and_stop_regex(server, ckpts):
+    """SGLang's penalties, logit_bias and min_new_tokens change the output exactly as the engine
+    does locally; stop_regex stops on the decoded text and reports the pattern as matched."""
+    base = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    sp = {**base, "repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+          "logit_bias": {"7": 3.0}}
+    r = server.post("/generate", {"text": "12+7=", "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    eng = local_engine(ckpts[0], spec=False)
+    ref = eng.generate([CharTokenizer().encode("12+7=")], SamplingParams(
+        max_new_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5,
+        presence_penalty=0.3, logit_bias={7: 3.0}))[0]
+    plain = server.post("/generate", {"text": "12+7=", "sampling_params": base}).json()
+    assert r.json()["output_ids"] == ref.output_ids != plain["output_ids"]
+    import re
+    pat = re.escape(plain["text"][3]) + "|never"
+    r = server.post("/generate", {"text": "12+7=", "sampling_params": {**base, "stop_regex": [pat]}}).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": pat}
+    ids = plain["output_ids"]
+    n = next(i for i in range(1, 13) if re.search(pat, CharTokenizer().decode(ids[:i])))
+    assert r["output_ids"] == ids[:n] and n <= 4
+
+
+def test_sglang_logprob_options_and_meta_info(server, ckpts, sgl):  # noqa: F811
+    """logprob_start_len (first input entry null; max_new_tokens 0 scores the prompt only),
+    top_logprobs_num, token_ids_logprob, text in logprobs, output_token_logprobs_length, weight
+    version spans, the accepted-drafts histogram and num_retractions, in SGLang's response types."""
+    prompt = [5, 6, 7, 8, 9]
+    model = CausalLMWithMTP.from_pretrained(ckpts[0], dtype=torch.float64)
+    from bebop_megatron.rollout.modeling import make_batch_index
+    with torch.no_grad():
+        normed, _ = model.trunk(torch.tensor([prompt]), model.new_cache(1, 8, "trunk"), make_batch_index([0], [0], [5], "cpu"))
+        lsm = torch.log_softmax(model.logits(normed[0]).double(), -1)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 2, "token_ids_logprob": [1, 2], "return_text_in_logprobs": True}
+    check_generate(sgl, body)
+    r = server.post("/generate", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    sgl.api.GenerateResponse.from_json_value(out)
+    m = out["meta_info"]
+    assert out["output_ids"] == [] and m["finish_reason"] == {"type": "length", "length": 0}
+    assert [e[1] for e in m["input_token_logprobs"]] == prompt and m["input_token_logprobs"][0][0] is None
+    assert all(isinstance(e[2], str) for e in m["input_token_logprobs"])
+    ref = [lsm[j, prompt[j + 1]].item() for j in range(4)]
+    assert max(abs(e[0] - x) for e, x in zip(m["input_token_logprobs"][1:], ref)) < 1e-9
+    assert m["input_top_logprobs"][0] is None and [e[1] for e in m["input_top_logprobs"][1]] == lsm[0].topk(2).indices.tolist()
+    assert m["input_token_ids_logprobs"][0] is None and abs(m["input_token_ids_logprobs"][2][1][0] - lsm[1, 2].item()) < 1e-9
+    assert m["output_token_logprobs"] == [] and m["output_token_logprobs_length"] == 0
+
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "logprob_start_len": 3, "top_logprobs_num": 3}
+    out = server.post("/generate", body).json()
+    sgl.api.GenerateResponse.from_json_value(out)
+    m = out["meta_info"]
+    assert [e[1] for e in m["input_token_logprobs"]] == prompt[3:] and m["input_token_logprobs"][0][0] is None
+    assert m["output_token_logprobs_length"] == 6 and len(m["output_top_logprobs"]) == 6
+    assert [row[0][1] for row in m["output_top_logprobs"]] == out["output_ids"]  # greedy: the top-1 token
+    assert "output_token_ids_logprobs" not in m and m["num_retractions"] == 0
+    assert m["weight_versions"] == [{"version": m["weight_version"], "start": 0, "end": 6}]
+    hist = m["spec_correct_drafts_histogram"]
+    assert sum(hist) == m["spec_verify_ct"] and sum(k * c for k, c in enumerate(hist)) == m["spec_num_correct_drafts"]
+    # default logprob_start_len (-1): no prompt entries
+    out = server.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}).json()
+    assert out["meta_info"]["input_token_logprobs"] == [] and out["meta_info"]["output_token_logprobs_length"] == 2
+    for bad in ({"logprob_start_len": 6}, {"logprob_start_len": -2}, {"top_logprobs_num": -1},
+                {"token_ids_logprob": [99999]}, {"token_ids_logprob": "x"}, {"top_logprobs_num": 2 ** 64}):
+        r = server.post("/generate", {"input_ids": prompt, "return_logprob": True, **bad})
+        assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
+
+
+def test_weight_version_spans_across_a_version_change(server):
+    import threading
+    import time
+
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=server.post("/generate", {
+        "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}})))
+    t.start()
+    deadline = time.time() + 30
+    while server.get("/get_server_info").json()["internal_states"][0]["num_running_reqs"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    v0 = server.get("/get_weight_version").json()["weight_version"]
+    time.sleep(0.3)
+    assert server.post("/update_weight_version", {"new_version": "span-v2", "abort_all_requests": False}).status_code == 200
+    t.join(120)
+    server.post("/update_weight_version", {"new_version": v0, "abort_all_requests": False})
+    m = result["r"].json()["meta_info"]
+    spans = m["weight_versions"]
+    assert m["weight_version"] == "span-v2" and spans[-1]["end"] == m["completion_tokens"] == 400
+    assert [s["version"] for s in spans] == [v0, "span-v2"] and spans[0]["start"] == 0
+    assert 0 < spans[0]["end"] == spans[1]["start"] < 400
+
+
+def char_chat_tokenizer(d):
+    """A Hugging Face tokenizer with the char ids of CharTokenizer and a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CharTokenizer.ALPHABET)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", eos_token="<eos>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.save_pretrained(d)
+    return d
+
+
+def test_v1_chat_completions(ckpts, tmp_path, server):
+    """/v1/chat/completions through the tokenizer's chat template, as OpenAI and SGLang shape it
+    (matched_stop, logprobs.content, n, usage, streaming); no template: a clear 400."""
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    s = ServerProcess(ckpts[0], *SPEC, "--tokenizer", str(char_chat_tokenizer(tmp_path / "tok")))
+    try:
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "1+1=?"}]}]
+        ids = CharTokenizer().encode("system:be brief;user:1+1=?;assistant:")
+        base = {"messages": msgs, "temperature": 0, "max_tokens": 8, "ignore_eos": True, "model": "m"}
+        out = s.post("/v1/chat/completions", base).json()
+        ref = s.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                         "ignore_eos": True}}).json()
+        c = out["choices"][0]
+        assert out["object"] == "chat.completion" and out["model"] == "m"
+        assert c["message"] == {"role": "assistant", "content": ref["text"]} and c["finish_reason"] == "length"
+        assert c["matched_stop"] is None and c["logprobs"] is None
+        assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
+        # max_completion_tokens, n, logprobs with top_logprobs
+        out = s.post("/v1/chat/completions", {**base, "max_tokens": None, "max_completion_tokens": 5, "n": 2,
+                                              "temperature": 1.0, "logprobs": True, "top_logprobs": 2}).json()
+        assert len(out["choices"]) == 2 and out["usage"]["completion_tokens"] == 10
+        content = out["choices"][1]["logprobs"]["content"]
+        assert len(content) == 5 and all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content)
+        assert "".join(e["token"] for e in content) == out["choices"][1]["message"]["content"]
+        # stop string: trimmed, reported as matched_stop
+        text = ref["text"]
+        out = s.post("/v1/chat/completions", {**base, "stop": [text[3]]}).json()
+        c = out["choices"][0]
+        assert c["finish_reason"] == "stop" and c["matched_stop"] == text[3]
+        assert c["message"]["content"] == text[: text.index(text[3])]
+        # streaming: role first, deltas add up, the finish on the last choice chunk, usage, [DONE]
+        with httpx.stream("POST", s.url + "/v1/chat/completions", headers=s.headers, timeout=60,
+                          json={**base, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            lines = [l[6:] for l in resp.iter_lines() if l.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(x) for x in lines[:-1]]
+        deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
+        assert deltas[0]["delta"]["role"] == "assistant" and all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+        assert "".join(d["delta"].get("content", "") for d in deltas) == ref["text"]
+        assert deltas[-1]["finish_reason"] == "length" and all(d["finish_reason"] is None for d in deltas[:-1])
+        assert chunks[-1]["usage"]["completion_tokens"] == 8
+        for bad in ({"messages": []}, {"messages": [{"role": "user"}], "top_logprobs": 2},
+                    {"messages": "hi"}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+                    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}):
+            r = s.post("/v1/chat/completions", bad)
+            assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
+    finally:
+        s.stop()
+
+
+def test_v1_completions_matched_stop_logprobs_and_echo(server):
+    body = {"prompt": "3*4=", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    full = server.post("/v1/completions", body).json()["choices"][0]
+    assert full["matched_stop"] is None and full["finish_reason"] == "length"
+    ids = server.post("/generate", {"text": "3*4=", "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                        "ignore_eos": True}}).json()["output_ids"]
+    c = server.post("/v1/completions", {**body, "stop_token_ids": [ids[2]]}).json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["matched_stop"] == ids[2]
+    c = server.post("/v1/completions", {**body, "logprobs": 2, "echo": True}).json()["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == "3*4=" + full["text"] and lp["token_logprobs"][0] is None and len(lp["tokens"]) == 10
+    assert lp["top_logprobs"][0] is None and all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][:5] == [0, 1, 2, 3, 4]

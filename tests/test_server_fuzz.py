@@ -46,7 +46,14 @@ sampling = st.fixed_dictionaries({}, optional={
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=3), json_value),
     "stop_token_ids": st.one_of(st.lists(st.integers(-5, 100), max_size=4), json_value),
     "ignore_eos": st.one_of(st.booleans(), json_value),
-    "frequency_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), json_value),
+    "presence_penalty": st.one_of(st.floats(-3, 3), json_value),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), json_value),
+    "min_new_tokens": st.one_of(st.integers(-2, 20), big_int, json_value),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-3, 100).map(str), st.text(max_size=3)),
+                                            st.one_of(fl(-1e7, 1e7), big_int, json_value), max_size=4), json_value),
+    "stop_regex": st.one_of(st.text(max_size=6), st.lists(st.text(max_size=6), max_size=3),
+                            st.sampled_from(["(", "[a-", "(a+)+$", "\\d", "x{99999999999}"]), json_value),
     "unknown_field": json_value,
 })
 ids = st.one_of(st.lists(st.integers(-3, 70), max_size=20), st.lists(st.lists(st.integers(0, 70), max_size=8), max_size=3),
@@ -221,8 +228,11 @@ def test_bad_requests_fail_alone_good_ones_finish(target):
     def good_client(i):
         for j in range(2):
             stream = (i + j) % 2 == 0
-            body = {"input_ids": [5, 6, 7], "stream": stream,
-                    "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True}}
+            sp = {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+            if i % 2:  # SGLang's logit processors on half of the good requests
+                sp.update(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1, logit_bias={"5": 1.0},
+                          min_new_tokens=5, stop_regex="^never$")
+            body = {"input_ids": [5, 6, 7], "stream": stream, "sampling_params": sp}
             try:
                 r = httpx.post(s.url + "/generate", json=body, timeout=120)
                 if stream:
@@ -237,7 +247,9 @@ def test_bad_requests_fail_alone_good_ones_finish(target):
 
     bad_sps = [{"top_k": 2**63}, {"top_k": 9223372036854775808}, {"seed": 2**64}, {"sampling_seed": -(2**63) - 1},
                {"temperature": 10**400}, {"max_new_tokens": 2**64}, {"n": 2**64}, {"top_p": 0},
-               {"stop_token_ids": [-1]}, {"min_p": 2}]
+               {"stop_token_ids": [-1]}, {"min_p": 2}, {"repetition_penalty": 0}, {"frequency_penalty": 3},
+               {"logit_bias": {"99999": 1}}, {"logit_bias": {"1": 1e300}}, {"stop_regex": "("},
+               {"min_new_tokens": 2**64}, {"stop_regex": ["a"] * 33}]
 
     def bad_client():
         for k in range(2):

@@ -274,3 +274,14 @@ def test_bridge_weight_syncs_send_only_sglang_requests(sgl):
                                                           ("broadcast", ["model.layers.2.eh_proj.weight"])]
     last = [b for p, b in rec.seen if p == "/update_weights_from_distributed"][-1]
     assert last["weight_version"] == "2" and last["flush_cache"] is True
+
+
+def test_generate_bodies_with_processors_and_logprob_options_are_valid_sglang_requests(sgl):
+    """The sampling processors and logprob options bebop serve implements are SGLang's fields."""
+    body = {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "token_ids_logprob": [1, 2], "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 0, "min_new_tokens": 0, "frequency_penalty": 0.5,
+                                "presence_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"3": 1.5},
+                                "stop_regex": ["a+b"], "stop": ["x"], "stop_token_ids": [4]}}
+    req = check_generate(sgl, body)
+    assert req.sampling_params.repetition_penalty == 1.2 and req.logprob_start_len == 0

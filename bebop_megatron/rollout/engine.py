@@ -68,6 +68,7 @@ Acceptance metric (one definition, everywhere):
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 import threading
 import time
@@ -75,12 +76,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import regex
 import torch
 from torch import Tensor
 
 from bebop_megatron.rollout.modeling import CausalLMWithMTP, KVCache, make_batch_index
-from bebop_megatron.rollout.sampling import (SamplingTensors, load_token_map, process_logits, reduced_draft_probs,
-                                             round_uniforms, sample_with_uniform, verify_chain)
+from bebop_megatron.rollout.sampling import (LogitProcessors, SamplingTensors, load_token_map, process_logits,
+                                             reduced_draft_probs, round_uniforms, sample_with_uniform, verify_chain)
+
+
+# SGLang's FINISH_ABORT().to_json() for a client abort (status_code/err_type set for errors only)
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 class RequestError(ValueError):
@@ -99,6 +105,13 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: Optional[int] = None
     no_stop_trim: bool = False
+    # SGLang's logit processors (sampling.LogitProcessors), neutral by default
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict] = None  # token id -> additive bias
+    stop_regex: list = field(default_factory=list)  # stop once the decoded output matches one
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -117,6 +130,20 @@ class SamplingParams:
             raise RequestError("stop must be a string or a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be a list of non-negative integers")
+        if not (isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise RequestError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
+        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
+            raise RequestError("frequency_penalty and presence_penalty must be in [-2, 2]")
+        if not (0 < self.repetition_penalty <= 2):
+            raise RequestError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        for pat in self.stop_regex:
+            try:
+                re.compile(pat)  # SGLang's syntax (``re``); searched with ``regex`` for its timeout
+                regex.compile(pat)
+            except (re.error, regex.error, TypeError, RecursionError, OverflowError, ValueError) as e:
+                raise RequestError(f"invalid stop_regex {pat!r}: {e}") from None
 
 
 @dataclass
@@ -170,10 +197,29 @@ class Request:
     # drafts accepted, and the verifier's target distribution per depth as top-k ids/probs
     spec_record_topk: int = 0
     spec_records: list[dict] = field(default_factory=list)
+    counts: Optional[Tensor] = None  # [V] output-token counts, only for count-based penalties
+    # SGLang's logprob options (used with return_logprob): prompt logprobs from logprob_start_len
+    # (-1: none), top-k per position, and the logprobs of fixed token ids per position
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
+    input_token_logprobs: Optional[list] = None  # [(logprob | None, id)], the first logprob None
+    input_top_logprobs: Optional[list] = None  # [None | [(logprob, id)]]
+    input_token_ids_logprobs: Optional[list] = None
+    output_top_logprobs: list = field(default_factory=list)  # per output token: [(logprob, id)]
+    output_token_ids_logprobs: list = field(default_factory=list)
+    spec_histogram: list[int] = field(default_factory=list)  # verify steps by number of accepted drafts
+    retractions: int = 0
+    stop_regex_checked: int = 0  # output tokens whose prefixes were searched for stop_regex
+    weight_events: list = field(default_factory=list)  # (old version, output length) at each version change
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.input_token_logprobs is None
 
 
 class Engine:
@@ -225,7 +271,13 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
-                    return_logprob: bool = False, on_update=None, spec_record_topk: int = 0) -> Request:
+                    return_logprob: bool = False, on_update=None, spec_record_topk: int = 0,
+                    logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                    token_ids_logprob: Optional[list[int]] = None) -> Request:
+        """Queue a request. With ``return_logprob``: ``logprob_start_len`` >= 0 also scores the
+        prompt from that position (SGLang's input_token_logprobs; with max_new_tokens 0 the request
+        only scores its prompt), ``top_logprobs_num`` and ``token_ids_logprob`` add per-position
+        top-k and fixed-id logprobs."""
         params.validate()
         if not isinstance(spec_record_topk, int) or spec_record_topk < 0 or spec_record_topk > 64:
             raise RequestError(f"spec_record_topk must be an integer in [0, 64], got {spec_record_topk!r}")
@@ -235,16 +287,38 @@ class Engine:
         bad = [t for t in input_ids if not isinstance(t, int) or t < 0 or t >= V]
         if bad:
             raise RequestError(f"token ids out of range [0, {V}): {bad[:5]}")
+        if params.logit_bias:
+            try:
+                params.logit_bias = {int(t): float(b) for t, b in params.logit_bias.items()}
+            except (TypeError, ValueError, OverflowError):
+                raise RequestError("logit_bias must map token ids to numbers") from None
+            if not all(0 <= t < V for t in params.logit_bias):
+                raise RequestError(f"logit_bias must have keys in [0, {V - 1}]")
+        if params.stop_regex and self.tokenizer is None:
+            raise RequestError("stop_regex needs a tokenizer (the server was started without one)")
         if len(input_ids) + params.max_new_tokens > self.max_len:
             raise RequestError(f"prompt ({len(input_ids)}) + max_new_tokens ({params.max_new_tokens}) "
                                f"exceeds the context length {self.max_len}")
+        if not return_logprob:
+            logprob_start_len, top_logprobs_num, token_ids_logprob = -1, 0, None
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len <= len(input_ids):
+            raise RequestError(f"logprob_start_len must be in [-1, {len(input_ids)}] (the prompt length), "
+                               f"got {logprob_start_len!r}")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= V:
+            raise RequestError(f"top_logprobs_num must be in [0, {V}], got {top_logprobs_num!r}")
+        if token_ids_logprob is not None and not all(isinstance(t, int) and 0 <= t < V for t in token_ids_logprob):
+            raise RequestError(f"token_ids_logprob must hold token ids in [0, {V})")
         req = Request(rid=rid or f"req-{next(self._rid)}", input_ids=list(input_ids), params=params,
-                      return_logprob=return_logprob, on_update=on_update, spec_record_topk=spec_record_topk)
+                      return_logprob=return_logprob, on_update=on_update, spec_record_topk=spec_record_topk,
+                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+                      token_ids_logprob=list(token_ids_logprob) if token_ids_logprob is not None else None)
         g = torch.Generator()
         g.manual_seed(params.seed if params.seed is not None else torch.randint(0, 2**62, ()).item())
         req.generator = g
+        if LogitProcessors.uses_counts(params):
+            req.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
         with self.lock:
-            if params.max_new_tokens == 0:
+            if params.max_new_tokens == 0 and not req.wants_prompt_logprobs:
                 self._finish(req, {"type": "length", "length": 0})
             else:
                 self.waiting.append(req)
@@ -272,10 +346,10 @@ class Engine:
             for req in list(self.waiting):
                 if req.aborted:
                     self.waiting.remove(req)
-                    self._finish(req, {"type": "abort", "message": "aborted"})
+                    self._finish(req, dict(ABORTED))
             for req in list(self.running):
                 if req.aborted:
-                    self._release(req, {"type": "abort", "message": "aborted"})
+                    self._release(req, dict(ABORTED))
             decoding = sorted(self.running, key=lambda r: r.slot)  # consecutive slots: caches read as views
             admitted = []
             self.free_slots.sort(reverse=True)  # lowest slot first
@@ -363,6 +437,9 @@ class Engine:
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
         return SamplingTensors.build([r.params for r in reqs], device=self.device)
 
+    def _processors(self, reqs: list[Request]) -> Optional[LogitProcessors]:
+        return LogitProcessors.build(reqs, self.model.config.vocab_size, self.eos_id, self.device)
+
     def _slots(self, reqs: list[Request]) -> Tensor:
         return torch.tensor([r.slot for r in reqs], dtype=torch.long, device=self.device)
 
@@ -379,18 +456,61 @@ class Engine:
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         lens = torch.tensor(lens_l, device=self.device)
         rows = torch.arange(len(reqs), device=self.device)
+        for i, r in enumerate(reqs):
+            if r.wants_prompt_logprobs:
+                self._prompt_logprobs(r, normed[i, : len(r.input_ids) - 1])
         logits = self.model.logits(normed[rows, lens - 1])
         if self.gamma:  # MTP runs over the prompt in the first draft pass, batched with the others
             pos = b.positions.clamp(max=self.cache_len - 1)
             self.hid[sl[:, None], pos] = mtp_in.to(self.hid.dtype)
             self.tok[sl[:, None], pos] = ids
             self.valid[sl] = 0
+        proc = self._processors(reqs)
+        if proc is not None:
+            logits = proc.apply(logits)
         new_tokens = self._sample(reqs, logits)
         if self.gamma:
             self.tok[sl, lens] = new_tokens
         for i, r in enumerate(reqs):
+            if r.params.max_new_tokens == 0:  # prompt scoring only
+                self._release(r, {"type": "length", "length": 0})
+                continue
             self._commit(r, [int(new_tokens[i])], logits[i: i + 1])
             self._check_done(r)
+
+    def _prompt_logprobs(self, r: Request, normed: Tensor) -> None:
+        """SGLang's input logprobs from ``logprob_start_len`` s: the entry of prompt token s has no
+        logprob (None), token t > s gets log p(x_t | x_<t); ``normed`` holds positions 0..len-2."""
+        s, ids = r.logprob_start_len, r.input_ids
+        r.input_token_logprobs = [(None, ids[s])] if s < len(ids) else []
+        r.input_top_logprobs = [None] if s < len(ids) and r.top_logprobs_num else ([] if r.top_logprobs_num else None)
+        r.input_token_ids_logprobs = ([None] if s < len(ids) else []) if r.token_ids_logprob is not None else None
+        if s + 1 >= len(ids):
+            return
+        lsm = self._log_probs(r, self.model.logits(normed[s:]))  # rows predict tokens s+1..len-1
+        tgt = torch.tensor(ids[s + 1:], device=lsm.device)
+        r.input_token_logprobs += list(zip(lsm.gather(-1, tgt[:, None]).squeeze(-1).tolist(), ids[s + 1:]))
+        if r.top_logprobs_num:
+            r.input_top_logprobs += self._top(lsm, r.top_logprobs_num)
+        if r.token_ids_logprob is not None:
+            r.input_token_ids_logprobs += self._fixed(lsm, r.token_ids_logprob)
+
+    @staticmethod
+    def _log_probs(r: Request, logits: Tensor) -> Tensor:
+        t = r.params.temperature if r.params.temperature > 0 else 1.0
+        return torch.log_softmax(logits.double() / t, -1)
+
+    @staticmethod
+    def _top(lsm: Tensor, k: int) -> list:
+        top = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+        return [list(zip(v, i)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+
+    @staticmethod
+    def _fixed(lsm: Tensor, ids: list[int]) -> list:
+        if not ids:
+            return [[] for _ in range(lsm.shape[0])]
+        vals = lsm[:, torch.tensor(ids, device=lsm.device)].tolist()
+        return [list(zip(v, ids)) for v in vals]
 
     def _sample(self, reqs: list[Request], logits: Tensor) -> Tensor:
         probs = process_logits(logits, self._sampling(reqs), self.sampling_dtype)
@@ -405,6 +525,9 @@ class Engine:
         ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         logits = self.model.logits(normed[:, 0])
+        proc = self._processors(reqs)
+        if proc is not None:
+            logits = proc.apply(logits)
         toks = self._sample(reqs, logits)
         if self.gamma:
             sl = b.slots
@@ -426,7 +549,8 @@ class Engine:
         u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
         # ---- 1. draft (each depth once, extending over its committed positions as it drafts)
         slot_l = [r.slot for r in reqs]
-        drafts, q = self._draft(sl, L, st, g, u[:, :g], slot_l)
+        proc = self._processors(reqs)
+        drafts, q = self._draft(sl, L, st, g, u[:, :g], slot_l, proc)
         # ---- 2. verify
         b = make_batch_index(slot_l, L - 1, torch.full_like(L, g + 1), N=g + 1)
         b.keep_states = self._hybrid  # linear-attention states after every position, for the rollback
@@ -435,6 +559,8 @@ class Engine:
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         self.hid[sl[:, None], b.positions] = mtp_in.to(self.hid.dtype)
         logits = self.model.logits(normed)  # [B, γ+1, V]
+        if proc is not None:  # position j follows the drafts d_1..d_j: they count as output there
+            logits = torch.stack([proc.apply(logits[:, j], drafts[:, :j]) for j in range(g + 1)], dim=1)
         p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
         res = verify_chain(p, q, drafts, mode, uniforms=u[:, g:])
         num_acc, nxt = res.num_accepted, res.next_token
@@ -460,6 +586,9 @@ class Engine:
                 r.spec_records.append({"pos": before - 2, "accepted": acc, "topk_ids": top.indices.tolist(),
                                        "topk_probs": [[round(x, 6) for x in row] for row in top.values.tolist()]})
             r.verify_ct += 1
+            if len(r.spec_histogram) <= acc:
+                r.spec_histogram.extend([0] * (acc + 1 - len(r.spec_histogram)))
+            r.spec_histogram[acc] += 1
             r.proposed += proposed
             r.accepted += acc
             r.verify_tokens += n_emit
@@ -482,7 +611,8 @@ class Engine:
 
     @torch.no_grad()
     def _draft(self, sl: Tensor, L: Tensor, st: SamplingTensors, g: int, u: Tensor,
-               slot_l: Optional[list[int]] = None) -> tuple[Tensor, Tensor]:
+               slot_l: Optional[list[int]] = None,
+               proc: Optional[LogitProcessors] = None) -> tuple[Tensor, Tensor]:
         """γ drafts per row and the processed draft distributions q [B, γ, V] they came from.
 
         Depth k runs once over positions b_k..L-2 (all rows in one padded batch) and drafts from
@@ -528,7 +658,10 @@ class Engine:
             self.valid[sl, k] = (L - k).clamp(min=0)
             h_last = out[rows, n - 1]
             if self.draft_ids is None:
-                qk = process_logits(self.model.logits(h_last), st, self.sampling_dtype)
+                zk = self.model.logits(h_last)
+                if proc is not None:  # not needed for exactness (any q is), but raises acceptance
+                    zk = proc.apply(zk, drafts[:, : k - 1])
+                qk = process_logits(zk, st, self.sampling_dtype)
             else:  # the map's N rows of the LM head only; q is 0 off the map
                 qk = reduced_draft_probs(h_last, self._draft_head(), self.draft_ids, self.model.config.vocab_size,
                                          st, self.sampling_dtype)
@@ -553,14 +686,21 @@ class Engine:
         return self._draft_head_rows
 
     def _commit(self, r: Request, tokens: list[int], logits_rows: Tensor) -> None:
-        lp = None
+        lp = top = fixed = None
         if r.return_logprob:
-            t = r.params.temperature if r.params.temperature > 0 else 1.0
-            lsm = torch.log_softmax(logits_rows[: len(tokens)].double() / t, -1)
+            lsm = self._log_probs(r, logits_rows[: len(tokens)])
             lp = lsm.gather(-1, torch.tensor(tokens, device=lsm.device)[:, None]).squeeze(-1).tolist()
+            top = self._top(lsm, r.top_logprobs_num) if r.top_logprobs_num else None
+            fixed = self._fixed(lsm, r.token_ids_logprob) if r.token_ids_logprob is not None else None
         for j, tok in enumerate(tokens):
             r.tokens.append(tok)
             r.output_ids.append(tok)
+            if top is not None:
+                r.output_top_logprobs.append(top[j])
+            if fixed is not None:
+                r.output_token_ids_logprobs.append(fixed[j])
+            if r.counts is not None:
+                r.counts[tok] += 1
             if lp is not None:
                 r.output_logprobs.append(lp[j])
             self.total_generated += 1
@@ -581,6 +721,11 @@ class Engine:
             self._release(r, {"type": "stop", "matched": last})
             return
         matched = self._trim_at_stop_string(r) if r.params.stop and self.tokenizer is not None else None
+        if matched is None and r.params.stop_regex and self.tokenizer is not None:
+            matched = self._trim_at_stop_regex(r)
+            if isinstance(matched, dict):
+                self._release(r, matched)
+                return
         if matched is not None:
             self._release(r, {"type": "stop", "matched": matched})
         elif len(r.output_ids) >= r.params.max_new_tokens:
@@ -598,11 +743,40 @@ class Engine:
             if s in text:
                 for n in range(1, len(r.output_ids) + 1):
                     if s in self.tokenizer.decode(r.output_ids[:n]):
-                        del r.output_ids[n:]
-                        del r.output_logprobs[n:]
+                        self._truncate(r, n)
                         break
                 return s
         return None
+
+    STOP_REGEX_BUDGET_S = 0.05  # per request and step: a pathological pattern aborts its request alone
+
+    def _trim_at_stop_regex(self, r: Request):
+        """The first stop_regex pattern that the decoded output matches (SGLang reports the pattern
+        as ``matched``), with the output trimmed to the shortest token prefix that matches; None if
+        none matches; a dict abort reason if the search ran past its time budget."""
+        deadline = time.monotonic() + self.STOP_REGEX_BUDGET_S
+
+        def search(pat: str, text: str) -> bool:
+            return regex.search(pat, text, timeout=max(deadline - time.monotonic(), 1e-4)) is not None
+
+        try:  # every prefix ending in a token new since the last check (an end-anchored pattern can
+            # match after a draft accepted mid-step only), shortest first, as plain decoding would stop
+            for n in range(r.stop_regex_checked + 1, len(r.output_ids) + 1):
+                text = self.tokenizer.decode(r.output_ids[:n])
+                for pat in r.params.stop_regex:
+                    if search(pat, text):
+                        self._truncate(r, n)
+                        return pat
+            r.stop_regex_checked = len(r.output_ids)
+        except TimeoutError:
+            return {"type": "abort", "message": "stop_regex search exceeded its time budget",
+                    "status_code": 400, "err_type": "BadRequestError"}
+        return None
+
+    @staticmethod
+    def _truncate(r: Request, n: int) -> None:
+        for xs in (r.output_ids, r.output_logprobs, r.output_top_logprobs, r.output_token_ids_logprobs):
+            del xs[n:]
 
     def _release(self, r: Request, reason: dict) -> None:
         if r in self.running:
@@ -633,6 +807,7 @@ class Engine:
         with self.lock:
             n = len(self.running)
             for r in reversed(self.running):
+                r.retractions += 1
                 self.free_slots.append(r.slot)
                 r.slot = -1
                 self.waiting.appendleft(r)
@@ -644,8 +819,32 @@ class Engine:
         with self.lock:
             loaded = self.model.load_hf_state_dict(tensors, strict=False)
             if version is not None:
-                self.weight_version = str(version)
+                self.set_weight_version(str(version))
             return loaded
+
+    def set_weight_version(self, version: str) -> None:
+        """Change the version label; in-flight requests with output record where the old one ended
+        (SGLang's weight-version spans)."""
+        with self.lock:
+            for r in list(self.running) + list(self.waiting):
+                if r.output_ids:
+                    r.weight_events.append((self.weight_version, len(r.output_ids)))
+            self.weight_version = version
+
+    @staticmethod
+    def weight_version_spans(r: Request, current: str) -> list[dict]:
+        """``[{version, start, end}]`` over the output tokens, as SGLang's meta_info weight_versions."""
+        n = len(r.output_ids)
+        spans: list[dict] = []
+        for version, end in list(r.weight_events) + [(current, n)]:
+            end = min(end, n)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = end
+                continue
+            spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+        return [sp for sp in spans if sp["start"] < n or sp["start"] == 0]
 
     def stats(self) -> dict:
         ver = self.total_verify_ct

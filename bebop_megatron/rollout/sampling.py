@@ -273,3 +273,86 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     if alpha >= 1.0:
         return float(gamma + 1)
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class LogitProcessors:
+    """SGLang's logit processors for a batch, applied to raw target logits before temperature.
+
+    Order as SGLang's overlap/speculative path: the additive penalties (``frequency_penalty`` x
+    count, ``presence_penalty`` x [count > 0], ``min_new_tokens``' -inf on the stop tokens while
+    fewer outputs exist), then ``repetition_penalty`` (logits of tokens already in the output:
+    positive divided, negative multiplied), then ``logit_bias``. Counts are over OUTPUT tokens
+    only, as SGLang's penalizers (which cumulate output ids only) do.
+
+    ``apply(logits, prev)`` evaluates the processors at a position that follows ``prev`` [B, j]
+    extra tokens after the committed output (speculative verify position j: the drafts accepted
+    before it count), so that verification sees the exact law of plain decoding."""
+
+    counts: Optional[Tensor]  # [B, V] output-token counts (None: no count-based penalty)
+    freq: Optional[Tensor]  # [B]
+    pres: Optional[Tensor]  # [B]
+    rep: Optional[Tensor]  # [B]
+    min_left: Optional[Tensor]  # [B] min_new_tokens - len(output) (None: off)
+    stop_mask: Optional[Tensor]  # [B, V] bool: tokens masked while min_left > 0
+    bias: Optional[Tensor]  # [B, V]
+
+    @staticmethod
+    def needed(params) -> bool:
+        return bool(params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0
+                    or params.min_new_tokens or params.logit_bias)
+
+    @staticmethod
+    def uses_counts(params) -> bool:
+        return bool(params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0)
+
+    @classmethod
+    def build(cls, reqs: Sequence, vocab_size: int, eos_id: Optional[int], device=None) -> Optional["LogitProcessors"]:
+        """From requests with ``params``, ``output_ids`` and ``counts`` ([V] or None); None when
+        every request is neutral (the plain path pays nothing)."""
+        ps = [r.params for r in reqs]
+        if not any(cls.needed(p) for p in ps):
+            return None
+        B, V = len(reqs), vocab_size
+        f32 = dict(dtype=torch.float32, device=device)
+        counts = freq = pres = rep = min_left = stop_mask = bias = None
+        if any(cls.uses_counts(p) for p in ps):
+            zero = torch.zeros(V, **f32)
+            counts = torch.stack([r.counts if r.counts is not None else zero for r in reqs])
+            freq = torch.tensor([float(p.frequency_penalty) for p in ps], **f32)
+            pres = torch.tensor([float(p.presence_penalty) for p in ps], **f32)
+            rep = torch.tensor([float(p.repetition_penalty) for p in ps], **f32)
+        if any(p.min_new_tokens for p in ps):
+            min_left = torch.tensor([p.min_new_tokens - len(r.output_ids) for p, r in zip(ps, reqs)], device=device)
+            stop_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
+            for i, p in enumerate(ps):
+                if p.min_new_tokens:
+                    ids = [t for t in list(p.stop_token_ids) + ([eos_id] if eos_id is not None else []) if t < V]
+                    stop_mask[i, ids] = True
+        if any(p.logit_bias for p in ps):
+            bias = torch.zeros(B, V, **f32)
+            for i, p in enumerate(ps):
+                for t, b in (p.logit_bias or {}).items():
+                    bias[i, int(t)] = float(b)
+        return cls(counts, freq, pres, rep, min_left, stop_mask, bias)
+
+    def apply(self, logits: Tensor, prev: Optional[Tensor] = None) -> Tensor:
+        """Processed copy of ``logits`` [B, V] at the position after ``prev`` [B, j] extra tokens."""
+        z = logits.clone()
+        j = 0 if prev is None else prev.shape[1]
+        if self.counts is not None:
+            c = self.counts.to(z.dtype)
+            if j:
+                c = c.scatter_add(1, prev, torch.ones(prev.shape, dtype=z.dtype, device=z.device))
+            seen = c > 0
+            z = z - self.freq.to(z.dtype)[:, None] * c - self.pres.to(z.dtype)[:, None] * seen.to(z.dtype)
+        if self.min_left is not None:
+            mask = self.stop_mask & (self.min_left > j)[:, None]
+            mask &= ~mask.all(-1, keepdim=True)  # never mask a whole row
+            z = z.masked_fill(mask, float("-inf"))
+        if self.counts is not None:
+            r = self.rep.to(z.dtype)[:, None]
+            z = torch.where(seen, torch.where(z < 0, z * r, z / r), z)
+        if self.bias is not None:
+            z = z + self.bias.to(z.dtype)
+        return z

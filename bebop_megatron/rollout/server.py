@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from bebop_megatron.rollout.engine import Engine, Request, SamplingParams, SpecConfig
+from bebop_megatron.rollout import openai_api
 from bebop_megatron.rollout.modeling import CausalLMWithMTP
 from bebop_megatron.rollout.protocol import spec_meta_info
 from bebop_megatron.rollout.validation import (MAX_BATCH, MAX_N, BadRequest, GenerateInput, Limits, as_bool,
@@ -187,9 +188,13 @@ class EngineWorker:
         gi, reqs = sub.gi, []
         try:
             for i, (ids, sp, lp, rid) in enumerate(zip(gi.prompts, gi.params, gi.return_logprob, gi.rids)):
+                opts = {}
+                if i < len(gi.logprob_start_len):
+                    opts = dict(logprob_start_len=gi.logprob_start_len[i], top_logprobs_num=gi.top_logprobs_num[i],
+                                token_ids_logprob=gi.token_ids_logprob[i])
                 reqs.append(self.engine.add_request(ids, sp, rid=rid, return_logprob=lp,
                                                     spec_record_topk=gi.return_spec_records,
-                                                    on_update=_bind(sub.on_update, i)))
+                                                    on_update=_bind(sub.on_update, i), **opts))
         except Exception as e:  # noqa: BLE001 - the request fails alone
             for r in reqs:
                 r.aborted = True
@@ -260,6 +265,10 @@ def _snapshot(r: Request) -> Request:
     s.accepted_per_depth = list(r.accepted_per_depth)
     s.reached_per_depth = list(r.reached_per_depth)
     s.spec_records = list(r.spec_records)
+    s.output_top_logprobs = list(r.output_top_logprobs)
+    s.output_token_ids_logprobs = list(r.output_token_ids_logprobs)
+    s.spec_histogram = list(r.spec_histogram)
+    s.weight_events = list(r.weight_events)
     return s
 
 
@@ -319,27 +328,45 @@ class BebopServer:
 
     def _meta(self, r: Request) -> dict:
         completion = len(r.output_ids)
+        spans = self.engine.weight_version_spans(r, self.engine.weight_version)
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": r.finish_reason,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": completion,
             "cached_tokens": 0,
-            "weight_version": self.engine.weight_version,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+            "num_retractions": r.retractions,
             "e2e_latency": time.time() - r.created,
         }
         if r.return_logprob:
-            if getattr(r, "return_text_in_logprobs", False):
-                meta["output_token_logprobs"] = [[lp, t, self._decode([t])]
-                                                 for lp, t in zip(r.output_logprobs, r.output_ids)]
-            else:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            text = bool(getattr(r, "return_text_in_logprobs", False))
+            meta["input_token_logprobs"] = self._logprob_entries(r.input_token_logprobs or [], text)
+            meta["output_token_logprobs"] = self._logprob_entries(list(zip(r.output_logprobs, r.output_ids)), text)
+            meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+            if r.top_logprobs_num:
+                meta["input_top_logprobs"] = self._position_entries(r.input_top_logprobs or [], text)
+                meta["output_top_logprobs"] = self._position_entries(r.output_top_logprobs, text)
+            if r.token_ids_logprob is not None:
+                meta["input_token_ids_logprobs"] = self._position_entries(r.input_token_ids_logprobs or [], text)
+                meta["output_token_ids_logprobs"] = self._position_entries(r.output_token_ids_logprobs, text)
         if self.engine.gamma:
             meta.update(spec_meta_info(r.verify_ct, completion, r.accepted, r.proposed, r.accepted_per_depth,
                                        r.reached_per_depth))
+            if r.spec_histogram:
+                meta["spec_correct_drafts_histogram"] = list(r.spec_histogram)
             if r.spec_record_topk:
                 meta["spec_verify_records"] = r.spec_records
         return meta
+
+    def _logprob_entries(self, pairs: list, text: bool) -> list:
+        """SGLang's ``[logprob, token_id, text | None]`` entries."""
+        return [[lp, t, self._decode([t]) if text else None] for lp, t in pairs]
+
+    def _position_entries(self, rows: list, text: bool) -> list:
+        """Per position: None (SGLang's first input position) or a list of entries."""
+        return [None if row is None else self._logprob_entries(row, text) for row in rows]
 
     def _result(self, r: Request) -> dict:
         return {"text": self._text(r), "output_ids": list(r.output_ids), "meta_info": self._meta(r)}
@@ -662,7 +689,7 @@ class BebopServer:
                 as_bool(body.get("abort_all_requests"), "abort_all_requests")
             if abort:
                 server.worker.abort(None)
-            server.engine.weight_version = new
+            await asyncio.to_thread(server.engine.set_weight_version, new)
             return {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -785,23 +812,35 @@ class BebopServer:
             body = await _json_object(request)
             gi = server._completion_input(body)
             if gi.stream:
-                return await server._stream_completions(body, gi)
+                return await server._stream_openai(body, gi, chat=False)
+            reqs = await server._run_blocking(request, gi)
+            echo = body.get("echo") is True
+            choices = []
+            for i, r in enumerate(reqs):
+                kind, matched = openai_api.finish(r)
+                prefix = server._decode(r.input_ids) if echo else ""
+                choice = {"index": i, "text": prefix + server._text(r), "logprobs": None, "finish_reason": kind,
+                          "matched_stop": matched}
+                if r.return_logprob:
+                    choice["logprobs"] = openai_api.completion_logprobs(r, server._decode, echo_prompt=echo)
+                choices.append(choice)
+            return server._openai_response(body, gi, reqs, choices, "text_completion", "cmpl")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: HTTPRequest):
+            body = await _json_object(request)
+            gen = openai_api.chat_generate_body(body, server.engine.tokenizer, server.limits.context_length)
+            gi = server._validate(gen)
+            if gi.stream:
+                return await server._stream_openai(body, gi, chat=True)
             reqs = await server._run_blocking(request, gi)
             choices = []
             for i, r in enumerate(reqs):
-                fr = (r.finish_reason or {}).get("type")
-                choice = {"index": i, "text": server._text(r),
-                          "finish_reason": {"stop": "stop", "length": "length"}.get(fr, fr)}
-                if r.return_logprob:
-                    choice["logprobs"] = {"tokens": [server._decode([t]) for t in r.output_ids],
-                                          "token_logprobs": list(r.output_logprobs)}
-                choices.append(choice)
-            ptoks = sum(len(p) for p in {id(p): p for p in gi.prompts}.values())  # each prompt once (n > 1)
-            ctoks = sum(len(r.output_ids) for r in reqs)
-            model = body.get("model")
-            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": model if isinstance(model, str) else server.served_model_name, "choices": choices,
-                    "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}}
+                kind, matched = openai_api.finish(r)
+                choices.append({"index": i, "message": {"role": "assistant", "content": server._text(r)},
+                                "logprobs": openai_api.chat_logprobs(r, server._decode) if r.return_logprob else None,
+                                "finish_reason": kind, "matched_stop": matched})
+            return server._openai_response(body, gi, reqs, choices, "chat.completion", "chatcmpl")
 
         # SGLang's distributed weight update: /init_weights_update_group,
         # /update_weights_from_distributed, /destroy_weights_update_group
@@ -819,56 +858,76 @@ class BebopServer:
             key = "input_ids"
         else:
             raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
-        d: dict = {}
-        for src, dst in (("max_tokens", "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("top_k", "top_k"), ("n", "n"), ("stop", "stop"), ("seed", "sampling_seed"),
-                         ("min_p", "min_p"), ("stop_token_ids", "stop_token_ids"), ("ignore_eos", "ignore_eos"),
-                         ("no_stop_trim", "no_stop_trim")):
-            if body.get(src) is not None:
-                d[dst] = body[src]
-        d.setdefault("max_new_tokens", 16)
+        d = openai_api.sampling_from(body)
+        d["max_new_tokens"] = 16 if body.get("max_tokens") is None else body["max_tokens"]
         if d["max_new_tokens"] == 0:
             raise BadRequest("max_tokens must be at least 1")
         lp = body.get("logprobs")
+        top = 0
         if lp is not None and lp is not False:
-            as_int(lp, "logprobs", 0, 20)
+            top = as_int(lp, "logprobs", 0, openai_api.MAX_TOP_LOGPROBS)  # OpenAI: the number of top logprobs
+        echo = False if body.get("echo") is None else as_bool(body.get("echo"), "echo")
         stream = False if body.get("stream") is None else as_bool(body.get("stream"), "stream")
-        return self._validate({key: p, "sampling_params": d, "return_logprob": lp is not None and lp is not False,
-                               "stream": stream})
+        gen = {key: p, "sampling_params": d, "return_logprob": lp is not None and lp is not False, "stream": stream}
+        if top:
+            gen["top_logprobs_num"] = top
+        if echo and gen["return_logprob"]:
+            gen["logprob_start_len"] = 0  # the prompt's logprobs too (the first is null)
+        return self._validate(gen)
 
-    async def _stream_completions(self, body: dict, gi: GenerateInput) -> StreamingResponse:
-        """OpenAI streaming completions: text deltas per choice, finish_reason on the last chunk
-        of each choice, optional usage chunk (``stream_options.include_usage``), then [DONE]."""
+    def _openai_response(self, body: dict, gi: GenerateInput, reqs: list[Request], choices: list, obj: str,
+                         prefix: str) -> dict:
+        model = body.get("model")
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                "model": model if isinstance(model, str) else self.served_model_name, "choices": choices,
+                "usage": self._usage(gi, reqs)}
+
+    @staticmethod
+    def _usage(gi: GenerateInput, reqs: list[Request]) -> dict:
+        ptoks = sum(len(p) for p in {id(p): p for p in gi.prompts}.values())  # each prompt once (n > 1)
+        ctoks = sum(len(r.output_ids) for r in reqs)
+        return {"prompt_tokens": ptoks, "completion_tokens": ctoks, "total_tokens": ptoks + ctoks}
+
+    async def _stream_openai(self, body: dict, gi: GenerateInput, chat: bool) -> StreamingResponse:
+        """OpenAI streaming (completions or chat): text deltas per choice (chat: a first delta with
+        the role), finish_reason and matched_stop on the last chunk of each choice, an optional
+        usage chunk (``stream_options.include_usage``), then [DONE]."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         reqs = await self._submit(gi, lambda i, r: loop.call_soon_threadsafe(queue.put_nowait, (i, _snapshot(r))))
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
         model = body.get("model") if isinstance(body.get("model"), str) else self.served_model_name
         opts = body.get("stream_options")
         usage = isinstance(opts, dict) and opts.get("include_usage") is True
         sent_text: dict[int, str] = {}
+        sent_tokens: dict[int, int] = {}
 
         def chunk(i, s):
             text = self._text(s) if s.finished else self._decode(s.output_ids)
+            first = i not in sent_text
             prev = sent_text.get(i, "")
             delta = text[len(prev):] if text.startswith(prev) else ""
             sent_text[i] = text if text.startswith(prev) else prev
-            fr = (s.finish_reason or {}).get("type")
-            if not delta and not s.finished:
+            kind, matched = openai_api.finish(s) if s.finished else (None, None)
+            if not delta and not s.finished and not (chat and first):
                 return None
-            return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": i, "text": delta, "logprobs": None,
-                                 "finish_reason": {"stop": "stop", "length": "length"}.get(fr, fr)}]}
+            choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": kind, "matched_stop": matched}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}
+                if s.return_logprob:
+                    choice["logprobs"] = openai_api.chat_logprobs(s, self._decode, sent_tokens.get(i, 0))
+                    sent_tokens[i] = len(s.output_ids)
+            else:
+                choice["text"] = delta
+            return {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
         async def events():
             async for ev in self._stream(reqs, queue, chunk):
                 if ev == "data: [DONE]\n\n" and usage:
-                    ptoks = sum(len(p) for p in {id(p): p for p in gi.prompts}.values())
-                    ctoks = sum(len(r.output_ids) for r in reqs)
-                    yield "data: " + json.dumps({"id": cid, "object": "text_completion", "created": created,
-                                                 "model": model, "choices": [],
-                                                 "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks,
-                                                           "total_tokens": ptoks + ctoks}}) + "\n\n"
+                    yield "data: " + json.dumps({"id": cid, "object": obj, "created": created, "model": model,
+                                                 "choices": [], "usage": self._usage(gi, reqs)}) + "\n\n"
                 yield ev
 
         return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(self._release, reqs))

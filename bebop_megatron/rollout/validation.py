@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+import regex
 
 from bebop_megatron.rollout.engine import SamplingParams
 
@@ -39,15 +42,19 @@ MAX_SPEC_RECORDS = 64
 
 SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
                       "ignore_eos", "n", "seed", "sampling_seed", "no_stop_trim", "skip_special_tokens",
-                      "spaces_between_special_tokens"}
+                      "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
+                      "repetition_penalty", "min_new_tokens", "logit_bias", "stop_regex"}
 # accepted only at their neutral values (the embedded engine does not implement them)
-NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "min_new_tokens": 0, "regex": None, "json_schema": None, "ebnf": None,
-                    "structural_tag": None, "stop_regex": None, "beam_width": None, "watermark": None}
+NEUTRAL_SAMPLING = {"regex": None, "json_schema": None, "ebnf": None,
+                    "structural_tag": None, "beam_width": None, "watermark": None}
 # accepted with SGLang's semantics: custom_params feed custom logit processors (none here, e.g.
-# slime's {"return_top_p_token_ids": true} changes nothing); stream_interval spaces SSE events;
-# logit_bias is validated as SGLang does and accepted when every bias is 0 (no effect)
-ACCEPTED_SAMPLING = {"custom_params", "stream_interval", "logit_bias"}
+# slime's {"return_top_p_token_ids": true} changes nothing); stream_interval spaces SSE events
+ACCEPTED_SAMPLING = {"custom_params", "stream_interval"}
+MAX_STOP_REGEX_COUNT = 32  # SGLang's limits
+MAX_STOP_REGEX_BYTES = 256
+MAX_LOGIT_BIAS = 1e6
+MAX_TOP_LOGPROBS = 1024
+MAX_TOKEN_IDS_LOGPROB = 1024
 MAX_STREAM_INTERVAL = 1 << 20
 
 
@@ -184,6 +191,7 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
     if g("custom_params") is not None and not isinstance(g("custom_params"), dict):
         raise BadRequest(f"{where}.custom_params must be an object")
     bias = g("logit_bias")
+    nonzero: dict[int, float] = {}
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > limits.vocab_size:
             raise BadRequest(f"{where}.logit_bias must be an object of token id -> bias")
@@ -194,9 +202,33 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
                 raise BadRequest(f"{where}.logit_bias keys must be token ids, got {_short(tid)}") from None
             if not 0 <= t < limits.vocab_size:
                 raise BadRequest(f"{where}.logit_bias must have keys in [0, {limits.vocab_size - 1}], got {_short(tid)}")
-            if as_float(b, f"{where}.logit_bias[{tid}]", -1e6, 1e6) != 0.0:
-                raise BadRequest(f"{where}.logit_bias with non-zero biases is not supported by the embedded engine")
+            b = as_float(b, f"{where}.logit_bias[{tid}]", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            if b != 0.0:
+                nonzero[t] = b
     sp = SamplingParams()
+    sp.logit_bias = nonzero or None
+    for k in ("frequency_penalty", "presence_penalty"):
+        if g(k) is not None:
+            setattr(sp, k, as_float(g(k), f"{where}.{k}", -2.0, 2.0))
+    if g("repetition_penalty") is not None:
+        sp.repetition_penalty = as_float(g("repetition_penalty"), f"{where}.repetition_penalty", 0.0, 2.0,
+                                         lo_open=True)
+    patterns = g("stop_regex")
+    if patterns is not None:
+        patterns = [patterns] if isinstance(patterns, str) else patterns
+        if not isinstance(patterns, list) or len(patterns) > MAX_STOP_REGEX_COUNT:
+            raise BadRequest(f"{where}.stop_regex must be a string or a list of at most {MAX_STOP_REGEX_COUNT} "
+                             "strings")
+        for pat in patterns:
+            as_str(pat, f"{where}.stop_regex[]", MAX_STOP_REGEX_BYTES, allow_empty=False)
+            if len(pat.encode("utf-8")) > MAX_STOP_REGEX_BYTES:
+                raise BadRequest(f"{where}.stop_regex is over the {MAX_STOP_REGEX_BYTES}-byte limit")
+            try:
+                re.compile(pat)
+                regex.compile(pat)  # the engine searches with ``regex`` (it has a timeout)
+            except (re.error, regex.error, RecursionError, OverflowError, ValueError) as e:
+                raise BadRequest(f"{where}.stop_regex {_short(pat)} is not a valid regular expression: {e}") from None
+        sp.stop_regex = list(patterns)
     n = 1 if g("n") is None else as_int(g("n"), f"{where}.n", 1, limits.max_n)
     if g("max_new_tokens") is not None:
         sp.max_new_tokens = as_int(g("max_new_tokens"), f"{where}.max_new_tokens", 0, limits.context_length)
@@ -220,6 +252,8 @@ def validate_sampling(d: Any, limits: Limits, where: str = "sampling_params") ->
             v = as_bool(g(k), f"{where}.{k}")
             if hasattr(sp, k):
                 setattr(sp, k, v)
+    if g("min_new_tokens") is not None:
+        sp.min_new_tokens = as_int(g("min_new_tokens"), f"{where}.min_new_tokens", 0, sp.max_new_tokens)
     seed = g("sampling_seed") if g("sampling_seed") is not None else g("seed")
     if seed is not None:
         sp.seed = as_int(seed, f"{where}.sampling_seed", INT64_MIN, INT64_MAX)
@@ -265,6 +299,10 @@ class GenerateInput:
     stream_interval: list[int] = field(default_factory=list)  # per sequence (SGLang: tokens per SSE event)
     return_text_in_logprobs: bool = False
     extras: dict = field(default_factory=dict)
+    # per sequence, SGLang's logprob options (see Engine.add_request)
+    logprob_start_len: list[int] = field(default_factory=list)
+    top_logprobs_num: list[int] = field(default_factory=list)
+    token_ids_logprob: list[Optional[list[int]]] = field(default_factory=list)
 
 
 def _listify(value: Any, n: int, name: str) -> list:
@@ -342,9 +380,27 @@ def validate_generate(body: Any, limits: Limits, tokenize: Callable[[str], list[
                                 else f"sampling_params[{i}]") for i, d in enumerate(sps)]
     if len({n for _, n in parsed}) > 1:
         raise BadRequest("all prompts of a batch must use the same n (SGLang's rule)")
+    starts = [-1 if x is None else as_int(x, "logprob_start_len", -1, limits.context_length)
+              for x in _listify(body.get("logprob_start_len"), B, "logprob_start_len")]
+    for p, st in zip(prompts, starts):
+        if st > len(p):
+            raise BadRequest(f"logprob_start_len={st} is higher than the number of input tokens {len(p)}")
+    tops = [0 if x is None else as_int(x, "top_logprobs_num", 0, min(limits.vocab_size, MAX_TOP_LOGPROBS))
+            for x in _listify(body.get("top_logprobs_num"), B, "top_logprobs_num")]
+    tids = body.get("token_ids_logprob")
+    if tids is None or (isinstance(tids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tids)):
+        tids = [tids] * B  # one list (or none) for every prompt
+    elif not isinstance(tids, list) or len(tids) != B:
+        raise BadRequest("token_ids_logprob must be a list of token ids, or one such list per prompt")
+    for t in tids:
+        if t is not None:
+            if not isinstance(t, list) or len(t) > MAX_TOKEN_IDS_LOGPROB:
+                raise BadRequest(f"token_ids_logprob must list at most {MAX_TOKEN_IDS_LOGPROB} token ids")
+            for x in t:
+                as_int(x, "token_ids_logprob[]", 0, limits.vocab_size - 1)
     intervals = [1 if not isinstance(d, dict) or d.get("stream_interval") is None else
                  as_int(d["stream_interval"], "sampling_params.stream_interval", 1, MAX_STREAM_INTERVAL) for d in sps]
-    for p, (sp, n), lp, r, si in zip(prompts, parsed, lps, rids, intervals):
+    for p, (sp, n), lp, r, si, st, tp, ti in zip(prompts, parsed, lps, rids, intervals, starts, tops, tids):
         if len(p) + sp.max_new_tokens > limits.context_length:
             raise BadRequest(f"prompt ({len(p)}) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
                              f"length {limits.context_length}")
@@ -357,6 +413,9 @@ def validate_generate(body: Any, limits: Limits, tokenize: Callable[[str], list[
             out.params.append(spj)
             out.return_logprob.append(lp)
             out.stream_interval.append(si)
+            out.logprob_start_len.append(st)
+            out.top_logprobs_num.append(tp)
+            out.token_ids_logprob.append(list(ti) if ti is not None else None)
             out.rids.append((r if n == 1 else f"{r}-{j}") if r is not None else None)
     if len(out.prompts) > limits.max_batch:
         raise BadRequest(f"at most {limits.max_batch} sequences (prompts x n) per request")
