@@ -30,7 +30,7 @@ setup(
         # GPU-only; never the unrelated PyPI package named "apex".
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "openai"],  # openai: the official client drives /v1/*
     },
     entry_points={"console_scripts": ["bebop=bebop_megatron.cli:main"]},
 )

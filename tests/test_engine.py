@@ -14,10 +14,8 @@ from tests.tiny_models import make_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    hf = make_hf_checkpoint(d, "qwen3", "deepseek", num_mtp=3, scale=2.0)
-    return d, hf
+def qwen3_dir(tiny_checkpoint):
+    return tiny_checkpoint(seed=0), None  # (folder, unused): the session's shared tiny Qwen3 + 3 MTP heads
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen3", False), ("qwen2", True)])

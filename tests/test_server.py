@@ -15,19 +15,14 @@ from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
 from bebop_megatron.rollout.modeling import CausalLMWithMTP
 from tests.server_utils import ServerProcess
 from tests.test_sglang_types import check_generate, sgl  # noqa: F401  (fixture)
-from tests.tiny_models import make_hf_checkpoint
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", "4", "--dtype", "float64"]
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a = tmp_path_factory.mktemp("model_a")
-    b = tmp_path_factory.mktemp("model_b")
-    make_hf_checkpoint(a, "qwen3", "deepseek", num_mtp=3, seed=0, scale=2.0)
-    make_hf_checkpoint(b, "qwen3", "deepseek", num_mtp=3, seed=5, scale=2.0)
-    return a, b
+def ckpts(tiny_checkpoint):
+    return tiny_checkpoint(seed=0), tiny_checkpoint(seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -671,3 +666,36 @@ def test_v1_completions_matched_stop_logprobs_and_echo(server):
     assert c["text"] == "3*4=" + full["text"] and lp["token_logprobs"][0] is None and len(lp["tokens"]) == 10
     assert lp["top_logprobs"][0] is None and all(len(t) == 2 for t in lp["top_logprobs"][1:])
     assert lp["text_offset"][:5] == [0, 1, 2, 3, 4]
+
+
+def test_official_openai_client_completions_and_chat(ckpts, tmp_path):
+    """The official ``openai`` client (what users point at SGLang) drives /v1/completions and
+    /v1/chat/completions, streaming included, and reads them into its own typed models."""
+    openai = pytest.importorskip("openai")
+    s = ServerProcess(ckpts[0], *SPEC, "--tokenizer", str(char_chat_tokenizer(tmp_path / "tok")), api_key="k")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["bebop"]
+        c = client.completions.create(model="bebop", prompt="1+1=", max_tokens=6, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+        ch = c.choices[0]
+        assert ch.finish_reason == "length" and len(ch.logprobs.tokens) == 6 and c.usage.completion_tokens == 6
+        assert all(len(t) == 2 for t in ch.logprobs.top_logprobs)
+        parts = list(client.completions.create(model="bebop", prompt="1+1=", max_tokens=6, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(p.choices[0].text for p in parts if p.choices) == ch.text
+        assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+        msgs = [{"role": "user", "content": "2+2=?"}]
+        chat = client.chat.completions.create(model="bebop", messages=msgs, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True})
+        m = chat.choices[0]
+        assert m.message.role == "assistant" and len(m.logprobs.content) == 5 and chat.usage.completion_tokens == 5
+        stream = client.chat.completions.create(model="bebop", messages=msgs, max_tokens=5, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        assert "".join(p.choices[0].delta.content or "" for p in stream if p.choices) == m.message.content
+        with pytest.raises(openai.BadRequestError):  # a 400 the client maps to its own error type
+            client.completions.create(model="bebop", prompt="1+1=", max_tokens=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        s.stop()
