@@ -59,6 +59,7 @@ async def health(server: BebopServer = Depends(engine_server)):
     return JSONResponse({"status": "ok"}) if server.worker.thread.is_alive() else \
         JSONResponse({"status": "engine down"}, status_code=503)
 
+
 @router.get("/health_generate")
 async def health_generate(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
     if server.worker.paused:
@@ -70,6 +71,7 @@ async def health_generate(request: HTTPRequest, server: BebopServer = Depends(en
         return JSONResponse({"status": "timeout"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
+
 @router.get("/get_model_info")
 @router.get("/model_info")
 async def model_info(server: BebopServer = Depends(engine_server)):
@@ -80,6 +82,7 @@ async def model_info(server: BebopServer = Depends(engine_server)):
             "model_type": server.model_type, "architectures": server.architectures,
             "has_image_understanding": False, "has_audio_understanding": False,
             "vocab_size": c.vocab_size, "num_mtp_modules": len(server.engine.model.mtp)}
+
 
 @router.get("/get_server_info")
 @router.get("/server_info")
@@ -98,12 +101,14 @@ async def server_info(server: BebopServer = Depends(engine_server)):
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "paused": server.worker.paused,
             "weight_version": e.weight_version, "internal_states": [st]}
 
+
 @router.get("/v1/models")
 async def models(server: BebopServer = Depends(engine_server)):
     name = server.served_model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": int(server.started),
                                         "owned_by": "bebop", "root": name, "parent": None,
                                         "max_model_len": server.engine.max_len}]}
+
 
 @router.get("/v1/loads")
 async def loads(server: BebopServer = Depends(engine_server)):
@@ -116,9 +121,11 @@ async def loads(server: BebopServer = Depends(engine_server)):
                        "max_running_requests": e.max_running,
                        "max_total_num_tokens": e.max_running * e.max_len}]}
 
+
 @router.get("/get_weight_version")
 async def get_weight_version(server: BebopServer = Depends(engine_server)):
     return {"weight_version": server.engine.weight_version}
+
 
 @router.post("/update_weight_version")
 async def update_weight_version(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
@@ -134,12 +141,14 @@ async def update_weight_version(request: HTTPRequest, server: BebopServer = Depe
     await asyncio.to_thread(server.engine.set_weight_version, new)
     return {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
 
+
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(server: BebopServer = Depends(engine_server)):
     if server.engine.has_work() or server.worker.inbox:
         return JSONResponse({"success": False, "message": "cannot flush while requests are pending"},
                             status_code=400)
     return {"success": True, "message": "cache flushed"}
+
 
 @router.post("/abort_request")
 async def abort_request(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
@@ -154,6 +163,7 @@ async def abort_request(request: HTTPRequest, server: BebopServer = Depends(engi
     else:
         n = server.worker.abort(as_str(rid, "rid", 256))
     return {"success": True, "aborted": n}
+
 
 @router.post("/pause_generation")
 async def pause(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
@@ -177,12 +187,14 @@ async def pause(request: HTTPRequest, server: BebopServer = Depends(engine_serve
     n = await asyncio.to_thread(apply)
     return {"success": True, "mode": mode, "affected": n}
 
+
 @router.post("/continue_generation")
 async def continue_generation(server: BebopServer = Depends(engine_server)):
     with server.worker.cv:
         server.worker.paused = False
         server.worker.cv.notify_all()
     return {"success": True}
+
 
 @router.post("/update_weights_from_disk")
 async def update_from_disk(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
@@ -202,6 +214,7 @@ async def update_from_disk(request: HTTPRequest, server: BebopServer = Depends(e
                                       abort_all)
     server.model_path = path
     return res
+
 
 @router.post("/update_weights_from_tensor")
 async def update_from_tensor(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
@@ -233,6 +246,7 @@ async def update_from_tensor(request: HTTPRequest, server: BebopServer = Depends
             return await asyncio.to_thread(server._stage_weights, tensors, body.get("stage_version"))
         return await asyncio.to_thread(server._apply_weights, tensors, body.get("weight_version"), flush)
 
+
 @router.post("/generate")
 async def generate(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
     gi = server._validate(await _json_object(request))
@@ -248,6 +262,7 @@ async def generate(request: HTTPRequest, server: BebopServer = Depends(engine_se
     reqs = await server._run_blocking(request, gi)
     results = [server._result(r) for r in reqs]
     return results[0] if gi.single else results
+
 
 @router.post("/v1/completions")
 async def completions(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
@@ -267,6 +282,7 @@ async def completions(request: HTTPRequest, server: BebopServer = Depends(engine
             choice["logprobs"] = openai_api.completion_logprobs(r, server._decode, echo_prompt=echo)
         choices.append(choice)
     return server._openai_response(body, gi, reqs, choices, "text_completion", "cmpl")
+
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: HTTPRequest, server: BebopServer = Depends(engine_server)):
