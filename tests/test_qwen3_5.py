@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.distributed import run_distributed
+from tests.tiny_models import init_hybrid_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,16 +48,7 @@ def make_qwen3_5(path, tie=False, layer_types=("linear_attention", "full_attenti
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     )
     model = Qwen3_5ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # plain gain
-            elif "norm" in name:
-                p.copy_(0.1 * torch.randn_like(p))  # zero-centred (1 + w)
-            elif name.endswith(("A_log", "dt_bias")):
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
+    init_hybrid_weights(model)
     path = Path(path)
     model.save_pretrained(str(path), safe_serialization=True)
     if mtp:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.distributed import run_distributed
 from tests.test_qwen3_5 import IDS, _megatron_logits, hf_tensors, mtp_chain
+from tests.tiny_models import init_hybrid_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -54,16 +55,7 @@ def make_moe(path, arch, seed=0, tie=False):
         kw.update(intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[0])
     cfg = cfg_cls(**kw)
     model = model_cls(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # plain gain
-            elif "norm" in name:
-                p.copy_(0.1 * torch.randn_like(p))  # zero-centred (1 + w)
-            elif name.endswith(("A_log", "dt_bias")):
-                p.copy_(0.5 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
+    init_hybrid_weights(model)
     model.save_pretrained(str(path), safe_serialization=True)
     g = torch.Generator().manual_seed(seed + 1)
     full = LAYER_TYPES.index("full_attention")

@@ -69,6 +69,22 @@ def add_mtp_weights(path, model, layout, num_mtp, seed=1, scale=1.0):
     cfg_path.write_text(json.dumps(raw, indent=2))
 
 
+def init_hybrid_weights(model) -> None:
+    """Random weights for a tiny Qwen3.5-family HF model that exercise every term (the torch RNG is
+    seeded by the caller): zero-centred norms get (1 + w) offsets, the GDN gated norm a plain gain near
+    1, the decay parameters A_log/dt_bias a wider spread, everything else N(0, 0.2)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # plain gain
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))  # zero-centred (1 + w)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+
+
 def tiny_hybrid_config(arch: str = "qwen3_5"):
     """``configs/tiny_qwen3p5_cpu.yaml`` cut to 2 layers (GDN + gated attention) at width 32, as ``arch``:
     qwen3_5 (tied), qwen3_5_moe (tied) or qwen3_next (untied); the MoE archs get 4 experts, top-2, and a
