@@ -64,7 +64,7 @@ class MetricsLogger:
     def __init__(self, out: Path, total_steps: int, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.path = out / "metrics.jsonl"
+        self.path = metrics_path(out)
         self.total = total_steps
         self._truncate(start_step)
         self.writer: Optional[SummaryWriter] = SummaryWriter(str(out / "tensorboard"))
@@ -93,9 +93,6 @@ class MetricsLogger:
             self.bar.update(1)
             self.bar.write(console_line(step, self.total, metrics))
 
-    def rows(self) -> list[dict]:
-        return read_metrics(self.path)
-
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -105,5 +102,11 @@ class MetricsLogger:
             self.writer = None
 
 
-def read_metrics(path: Path) -> list[dict]:
+def metrics_path(out: Path) -> Path:
+    return out / "metrics.jsonl"
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The rows of a run folder's metrics.jsonl (none yet: [])."""
+    path = metrics_path(out)
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []

@@ -578,7 +578,7 @@ class RLTrainer:
         from bebop_megatron.rl.report import acceptance_vs_entropy, plot_curves, speculation_benchmark, trend_fit
 
         out = {}
-        rows = read_metrics(self.out / "metrics.jsonl")
+        rows = read_metrics(self.out)
         out.update(acceptance_vs_entropy(rows, self.out))
         out.update(plot_curves(rows, self.out))
         out["train_reward_trend"] = trend_fit([x["step"] for x in rows], [x["rollout/reward"] for x in rows])
