@@ -16,10 +16,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_mtp(args) -> int:
+    cfg = Config.load(args.config, args.overrides)  # config errors surface before the heavy imports
     from bebop_megatron.parallel import destroy_distributed, is_logging_rank
     from bebop_megatron.training.train_mtp import train_mtp
 
-    cfg = Config.load(args.config, args.overrides)
     try:
         summary = train_mtp(cfg)
         if is_logging_rank() and summary.get("exited_early"):
@@ -46,10 +46,10 @@ def _train_mtp(args) -> int:
 
 
 def _rl(args) -> int:
+    cfg = Config.load(args.config, args.overrides)  # config errors surface before the heavy imports
     from bebop_megatron.parallel import destroy_distributed
     from bebop_megatron.rl.trainer import rl_train
 
-    cfg = Config.load(args.config, args.overrides)
     try:
         s = rl_train(cfg)
         import torch.distributed as dist
@@ -166,21 +166,29 @@ def main(argv=None) -> int:
     add_serve_args(p)
     p.set_defaults(func=_serve)
     args = parser.parse_args(argv)
-    from bebop_megatron.checkpointing import CheckpointMismatch
-    from bebop_megatron.convert.layout import ConversionError
-    from bebop_megatron.data import DataError
-    from bebop_megatron.model.spec import MissingOptionalDependency
-    from bebop_megatron.rollout.bridge import RolloutError
-
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"bebop: config error: {e}", file=sys.stderr)
         return 2
-    except (DataError, CheckpointMismatch, MissingOptionalDependency, FileNotFoundError, ConversionError,
-            RolloutError) as e:
+    except Exception as e:
+        if not isinstance(e, _user_error_types()):
+            raise
         print(f"bebop: error: {e}", file=sys.stderr)
         return 2
+
+
+# Errors a user can fix (data, checkpoint, path, optional dependency), named by their home modules.
+_USER_ERRORS = {"bebop_megatron.checkpointing": "CheckpointMismatch", "bebop_megatron.convert.layout": "ConversionError",
+                "bebop_megatron.data": "DataError", "bebop_megatron.model.spec": "MissingOptionalDependency",
+                "bebop_megatron.rollout.bridge": "RolloutError"}
+
+
+def _user_error_types() -> tuple[type, ...]:
+    """The user-error classes of the modules this command loaded. A module that was never imported
+    cannot have raised, so `bebop serve` need not import megatron-core (~4 s) just to name its errors."""
+    found = [getattr(sys.modules[m], name) for m, name in _USER_ERRORS.items() if m in sys.modules]
+    return (FileNotFoundError, *found)
 
 
 if __name__ == "__main__":
