@@ -195,6 +195,7 @@ def _sync_worker(rank, world, ckpt_root, hf_dir):
     ckpt = latest_checkpoint(ckpt_root)
     cfg = Config.from_dict(checkpoint_config(ckpt))
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = world, 1
+    cfg.parallel.sequence_parallel &= world > 1  # a TP=2 MoE checkpoint has it on; megatron refuses it at TP=1
     policy = build_model(cfg, initialize_distributed(world, 1, seed=5))
     load_checkpoint(ckpt, policy)
     policy.eval()
