@@ -59,7 +59,12 @@ def test_config_and_weights_load(hybrid_dir):
 
 def test_logits_equal_transformers_prefill_and_decode(hybrid_dir):
     d, hf = hybrid_dir
-    ours = CausalLMWithMTP.from_pretrained(d)
+    assert_logits_equal_prefill_and_decode(CausalLMWithMTP.from_pretrained(d), hf)
+
+
+def assert_logits_equal_prefill_and_decode(ours, hf, tol=1e-4):
+    """The engine model ``ours`` against the transformers model ``hf`` (vocab 64) through the cache:
+    a batched prefill of two rows of different lengths, a mixed decode/extend step, decode steps."""
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
@@ -67,20 +72,20 @@ def test_logits_equal_transformers_prefill_and_decode(hybrid_dir):
     cache = ours.new_cache(3, 32, "trunk")
     normed, _ = ours.trunk(ids[:, :9], cache, make_batch_index([2, 0], [0, 0], [9, 6], "cpu"))
     lg = ours.logits(normed)
-    assert (lg[0] - ref[0, :9]).abs().max() < 1e-4
-    assert (lg[1, :6] - ref[1, :6]).abs().max() < 1e-4
+    assert (lg[0] - ref[0, :9]).abs().max() < tol
+    assert (lg[1, :6] - ref[1, :6]).abs().max() < tol
     # decode: row 0 one token at a time, row 1 catches up with 3 tokens, then both one at a time
     normed, _ = ours.trunk(torch.stack([torch.cat([ids[0, 9:10], ids[0, 9:11]]), ids[1, 6:9]]), cache,
                            make_batch_index([2, 0], [9, 6], [1, 3], "cpu"))
     lg = ours.logits(normed)
-    assert (lg[0, 0] - ref[0, 9]).abs().max() < 1e-4
-    assert (lg[1] - ref[1, 6:9]).abs().max() < 1e-4
+    assert (lg[0, 0] - ref[0, 9]).abs().max() < tol
+    assert (lg[1] - ref[1, 6:9]).abs().max() < tol
     for t in range(9, 12):  # row 0 feeds position t+1, row 1 position t (row 0's padding above is overwritten)
         rows = [ids[0, t + 1: t + 2], ids[1, t: t + 1]]
         normed, _ = ours.trunk(torch.stack(rows), cache, make_batch_index([2, 0], [t + 1, t], [1, 1], "cpu"))
         lg = ours.logits(normed[:, 0])
-        assert (lg[0] - ref[0, t + 1]).abs().max() < 1e-4
-        assert (lg[1] - ref[1, t]).abs().max() < 1e-4
+        assert (lg[0] - ref[0, t + 1]).abs().max() < tol
+        assert (lg[1] - ref[1, t]).abs().max() < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -113,26 +118,35 @@ def test_rollback_after_verify_equals_fresh_prefill(hybrid_dir, dtype):
 def test_greedy_speculation_equals_plain_decoding(hybrid_dir, verify):
     d, _ = hybrid_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    assert_greedy_speculation_equals_plain(model, verify, reuse_slots=verify == "rejection")
+
+
+def assert_greedy_speculation_equals_plain(model, verify: str, max_new_tokens: int = 14, reuse_slots: bool = True):
+    """Greedy speculative decoding (γ = 3) emits plain greedy decoding's tokens; with ``reuse_slots``
+    also at γ = 2 with fewer slots than requests (a reused slot's states must start fresh).
+    Returns the γ = 3 engine's stats."""
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13]]
-    sp = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     plain = Engine(model, spec=SpecConfig("none"), max_running=4, max_len=48).generate(prompts, sp)
     eng = Engine(model, spec=SpecConfig("mtp", 3, verify), max_running=4, max_len=48)
     spec = eng.generate(prompts, sp)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
-    assert all(len(r.output_ids) == 14 for r in spec)
+    assert all(len(r.output_ids) == max_new_tokens for r in spec)
     assert eng.stats()["spec_verify_ct"] > 0
-    if verify == "target_only":
-        return
-    # fewer slots than requests: slots are reused, states must start fresh
-    few = Engine(model, spec=SpecConfig("mtp", 2, verify), max_running=2, max_len=48).generate(prompts, sp)
-    assert [r.output_ids for r in few] == [r.output_ids for r in plain]
+    if reuse_slots:
+        few = Engine(model, spec=SpecConfig("mtp", 2, verify), max_running=2, max_len=48).generate(prompts, sp)
+        assert [r.output_ids for r in few] == [r.output_ids for r in plain]
+    return eng.stats()
 
 
 def test_sampled_speculation_logprobs_equal_fresh_forward(hybrid_dir):
+    d, _ = hybrid_dir
+    assert_sampled_speculation_logprobs_exact(CausalLMWithMTP.from_pretrained(d, dtype=torch.float64))
+
+
+def assert_sampled_speculation_logprobs_exact(model):
     """Rejections at every depth happen here; the logprobs the engine reports come from its verify
     logits, so they equal a fresh full forward only if every rollback restored the exact states."""
-    d, _ = hybrid_dir
-    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
     sp = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
     prompts = [[5, 6, 7], [1], [9, 8, 7, 6, 5], [3, 3]]
     eng = Engine(model, spec=SpecConfig("mtp", 3, "rejection"), max_running=4, max_len=48)
@@ -181,6 +195,7 @@ def _sync_worker(rank, world, ckpt_root, hf_dir):
     ckpt = latest_checkpoint(ckpt_root)
     cfg = Config.from_dict(checkpoint_config(ckpt))
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = world, 1
+    cfg.parallel.sequence_parallel &= world > 1  # a TP=2 MoE checkpoint has it on; megatron refuses it at TP=1
     policy = build_model(cfg, initialize_distributed(world, 1, seed=5))
     load_checkpoint(ckpt, policy)
     policy.eval()

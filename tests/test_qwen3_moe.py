@@ -6,6 +6,7 @@
   reference written with transformers' own decoder layer; Qwen3-Next converted at TP=2 (sequence
   parallel) and run at TP=1 and TP=2 (eval, no SP), with ``norm_topk_prob: false`` (megatron's pre-softmax router)
   and a dense ``mlp_only_layers`` layer; Qwen3.5-MoE also at EP=2.
+* the megatron policy's weight sync into the embedded engine (``sync_engine``) is exact.
 * HF -> Megatron -> HF is bit-exact (per-expert tensors, router, shared expert and its gate,
   Qwen3-Next's interleaved ``in_proj_qkvz`` / ``in_proj_ba``, one ``mtp.*`` module) and the export
   loads back in transformers with identical logits.
@@ -266,6 +267,17 @@ def test_moe_expert_parallel_loads_global_experts_and_equals_transformers(moe_mo
     for n, t in src.items():
         assert torch.equal(back[n], t), n
 
+
+def test_policy_to_engine_sync(moe_model):
+    """megatron policy (EP=1, TP=1) -> sync_engine -> the embedded engine holds exactly the weights the
+    engine loads from the HF folder (per-expert tensors, router, shared expert and its gate; Qwen3-Next's
+    in_proj_qkvz / in_proj_ba; the MoE mtp.* layer) and decodes as it does, speculation on."""
+    from tests.test_engine_hybrid import _sync_worker
+
+    _, d, _, _ = moe_model
+    r = run_distributed(_sync_worker, 1, str(d / "mc"), str(d / "hf"))[0]
+    assert r["mismatch"] == [] and r["same_tokens"] and r["version"] == "v1", r
+    assert r["info"]["mtp_tensors"] > 0
 
 
 # ------------------------------------------------------------ router load-balancing loss

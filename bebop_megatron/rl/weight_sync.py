@@ -21,11 +21,7 @@ def rollout_model_for(cfg: Config, dtype=None) -> CausalLMWithMTP:
     import torch
 
     m = cfg.model
-    if m.arch in MOE_ARCHS:
-        raise NotImplementedError(
-            f"the embedded rollout engine has no MoE layers yet (model.arch={m.arch!r}); roll out with "
-            "SGLang servers (rl.servers / launch.rollout_engine: sglang)")
-    lm = LMConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+    lm = LMConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size or 0,
                   num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                   num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, rms_norm_eps=m.norm_epsilon,
                   rope_theta=m.rotary_base, qk_norm=bool(m.qk_layernorm), qkv_bias=bool(m.add_qkv_bias),
@@ -40,6 +36,13 @@ def rollout_model_for(cfg: Config, dtype=None) -> CausalLMWithMTP:
         lm.attn_output_gate = lm.zero_centered_norm = True
         lm.mtp_layout = "qwen3_next"  # the converter's only MTP layout for this family (Shapes.from_config)
         lm.num_mtp_modules = 1 if m.mtp_num_layers else 0
+        lm.gdn_layout = "qwen3_next" if m.arch == "qwen3_next" else "qwen3_5"  # the HF names the sync sends
+    if m.arch in MOE_ARCHS:  # routed experts arrive as per-expert HF tensors (mlp.experts.E.*)
+        lm.num_experts, lm.num_experts_per_tok = m.num_moe_experts, m.moe_router_topk
+        lm.moe_intermediate_size = m.moe_ffn_hidden_size
+        lm.shared_expert_intermediate_size = m.moe_shared_expert_intermediate_size or 0
+        lm.norm_topk_prob = bool(m.moe_norm_topk_prob)
+        lm.decoder_sparse_step, lm.mlp_only_layers = int(m.moe_layer_freq), tuple(m.mlp_only_layers or ())
     return CausalLMWithMTP(lm).to(dtype or torch.float32).eval()
 
 
@@ -49,6 +52,9 @@ def sync_engine(policy, cfg: Config, engine: Engine, version: Optional[str] = No
     Returns counts; raises if the MTP heads were not part of the sync."""
     from megatron.core import parallel_state
 
+    if cfg.model.moe and parallel_state.get_expert_model_parallel_world_size() > 1:
+        raise NotImplementedError("sync_engine with expert parallelism: each rank holds only its own experts "
+                                  "(the in-process engine needs them all); sync at EP=1")
     shapes = Shapes.from_config(cfg, parallel_state.get_tensor_model_parallel_world_size(), "deepseek")
     n, n_mtp = 0, 0
     L = cfg.model.num_layers

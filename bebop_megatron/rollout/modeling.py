@@ -2,7 +2,11 @@
 Qwen3.5-style hybrid (``model_type`` qwen3_5 / qwen3_5_text): Gated DeltaNet linear-attention layers
 (``linear_attn``: causal depthwise conv1d + gated delta rule recurrence, gated RMSNorm output) between
 gated full-attention layers (``q_proj`` rows per head [q_h; gate_h], output * sigmoid(gate)),
-zero-centred RMSNorm ((1 + w)·x̂), partial RoPE (the first ``partial_rotary_factor`` of each head).
+zero-centred RMSNorm ((1 + w)·x̂), partial RoPE (the first ``partial_rotary_factor`` of each head);
+and its MoE variants Qwen3.5-MoE (``qwen3_5_moe``, every MLP sparse) and Qwen3-Next (``qwen3_next``:
+``decoder_sparse_step`` / ``mlp_only_layers`` keep some MLPs dense, ``norm_topk_prob``, and the GDN
+input projection fused as per-key-head interleaved ``in_proj_qkvz`` / ``in_proj_ba``): a softmax
+top-k router over SwiGLU experts plus a sigmoid-gated shared expert (``SparseMoE``), the MTP layer too.
 
 Weights use the Hugging Face layout (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``lm_head``...) so that any HF export loads. MTP heads load from the layouts found in the wild:
@@ -73,11 +77,26 @@ class LMConfig:
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = False  # q_proj also yields a per-head output gate
     zero_centered_norm: bool = False  # RMSNorm scales by (1 + w)
+    # Qwen3-Next ships the GDN input projection as per-key-head interleaved in_proj_qkvz / in_proj_ba
+    gdn_layout: str = "qwen3_5"  # qwen3_5 (in_proj_qkv/z/b/a) | qwen3_next (in_proj_qkvz/ba)
+    # MoE MLPs (Qwen3.5-MoE / Qwen3-Next): routed SwiGLU experts + a sigmoid-gated shared expert
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple = ()  # ... and i is not listed here (dense MLP of intermediate_size)
     extra: dict = field(default_factory=dict)
 
     @property
     def hybrid(self) -> bool:
         return bool(self.layer_types)
+
+    def moe_layer(self, i: int) -> bool:
+        """Qwen3-Next's rule (Qwen3.5-MoE: every layer); MTP layers of an MoE model are MoE too."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
 
     @property
     def rotary_dim(self) -> int:
@@ -90,17 +109,21 @@ class LMConfig:
     def from_hf(cls, cfg: dict) -> "LMConfig":
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "")
-        if "moe" in model_type or model_type == "qwen3_next" or any("Moe" in a or "Next" in a for a in archs):
-            raise ValueError(f"unsupported model type {model_type or archs!r} (dense Qwen2/Qwen3/Qwen3.5 only)")
-        if isinstance(cfg.get("text_config"), dict):  # Qwen3_5ForConditionalGeneration: the text model's fields
+        moe_family = model_type in _MOE_TYPES or any(a.startswith(("Qwen3_5MoeFor", "Qwen3NextFor")) for a in archs)
+        if not moe_family and ("moe" in model_type or any("Moe" in a or "Next" in a for a in archs)):
+            raise ValueError(f"unsupported model type {model_type or archs!r} (Qwen2/Qwen3, Qwen3.5, "
+                             "Qwen3.5-MoE and Qwen3-Next only)")
+        if isinstance(cfg.get("text_config"), dict):  # Qwen3_5(Moe)ForConditionalGeneration: the text model's fields
             top = cfg
             cfg = dict(top["text_config"])
             for key in ("tie_word_embeddings", "mtp_num_hidden_layers", "bebop_mtp_hidden", "eos_token_id"):
                 if key in top and key not in cfg:
                     cfg[key] = top[key]
-            cfg.setdefault("model_type", "qwen3_5_text")
+            cfg.setdefault("model_type", "qwen3_5_moe_text" if moe_family else "qwen3_5_text")
             model_type = cfg["model_type"]
-        hybrid = model_type in ("qwen3_5", "qwen3_5_text") or any(a.startswith("Qwen3_5For") for a in archs)
+        hybrid = (model_type in ("qwen3_5", "qwen3_5_text") + _MOE_TYPES
+                  or any(a.startswith(("Qwen3_5For", "Qwen3_5MoeFor", "Qwen3NextFor")) for a in archs))
+        next_ = model_type == "qwen3_next" or any(a.startswith("Qwen3NextFor") for a in archs)
         qwen2 = model_type == "qwen2" or any("Qwen2" in a for a in archs)
         heads = cfg["num_attention_heads"]
         n_ds = int(cfg.get("num_nextn_predict_layers", 0) or 0)
@@ -109,7 +132,7 @@ class LMConfig:
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # Qwen3.5-MoE has no dense MLP
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
@@ -125,7 +148,26 @@ class LMConfig:
             mtp_hidden=cfg.get("bebop_mtp_hidden", "normed"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             **(_hybrid_fields(cfg) if hybrid else {}),
+            **(_moe_fields(cfg, next_) if cfg.get("num_experts") else {}),
+            gdn_layout="qwen3_next" if next_ else "qwen3_5",
         )
+
+
+_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _moe_fields(cfg: dict, qwen3_next: bool) -> dict:
+    """transformers' Qwen3.5-MoE has no ``decoder_sparse_step`` / ``mlp_only_layers`` (every layer is
+    MoE) and always renormalises the top-k; ``norm_topk_prob`` is still read when present, as SGLang
+    and our megatron policy (``moe_norm_topk_prob``) honour it and our export writes it."""
+    out = dict(num_experts=int(cfg["num_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+               moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+               shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+               norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+    if qwen3_next:
+        out.update(decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+    return out
 
 
 def _hybrid_fields(cfg: dict) -> dict:
@@ -271,7 +313,12 @@ class GatedDeltaNet(nn.Module):
     by 1/sqrt(d_k)) -> gated RMSNorm (plain gain, * SiLU(z)) -> out_proj.
 
     The recurrence runs token by token in pure torch (exact, simple; prefill cost is linear in the
-    prompt's length with a Python loop), on the slot's conv and recurrent states."""
+    prompt's length with a Python loop), on the slot's conv and recurrent states.
+
+    Qwen3-Next (``gdn_layout`` qwen3_next) projects with two fused matrices instead, ``in_proj_qkvz``
+    and ``in_proj_ba``, their rows interleaved per key head; the engine holds them with the rows
+    already grouped [q; k; v; z] and [b; a] (``gdn_hf_row_order`` permutes them at load), so that the
+    forward splits contiguous slices as for Qwen3.5 and a weight update stays one tensor per name."""
 
     def __init__(self, c: LMConfig):
         super().__init__()
@@ -280,16 +327,28 @@ class GatedDeltaNet(nn.Module):
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim = nk * dk, nv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, nv, bias=False)
-        self.in_proj_a = nn.Linear(h, nv, bias=False)
+        if c.gdn_layout == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(h, self.conv_dim + self.value_dim, bias=False)  # rows [q; k; v; z]
+            self.in_proj_ba = nn.Linear(h, 2 * nv, bias=False)  # rows [b; a]
+        else:
+            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, nv, bias=False)
+            self.in_proj_a = nn.Linear(h, nv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(nv))
         self.A_log = nn.Parameter(torch.zeros(nv))
         self.norm = RMSNorm(dv, c.rms_norm_eps)  # plain gain (not zero-centred), applied in float32
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(qkv [B, N, conv_dim], z, b, a [B, N, nv]) from either projection layout."""
+        if self.c.gdn_layout == "qwen3_next":
+            qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+            b_, a_ = self.in_proj_ba(x).chunk(2, dim=-1)
+            return qkv, z, b_, a_
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(self, x: Tensor, cache: "LinearStateCache", b: "BatchIndex") -> Tensor:
         c = self.c
@@ -298,9 +357,10 @@ class GatedDeltaNet(nn.Module):
         K = c.linear_conv_kernel_dim
         dtype = x.dtype
         fresh = (b.start == 0)  # a row from position 0 starts from zero states (slot reuse)
+        qkv, z, b_proj, a_proj = self._project(x)
         # ---- causal conv1d over [conv state; new inputs]
         conv_state = cache.conv[b.slots].masked_fill(fresh[:, None, None], 0)  # [B, C, K-1]
-        xs = torch.cat([conv_state, self.in_proj_qkv(x).transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, C, K-1+N]
+        xs = torch.cat([conv_state, qkv.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B, C, K-1+N]
         # depthwise causal conv as K multiply-adds over the windows (F.conv1d with groups=C is slow on CPU)
         w = self.conv1d.weight.to(xs.dtype)[:, 0]  # [C, K]
         mixed = F.silu(torch.einsum("bcnk,ck->bnc", xs.unfold(2, K, 1), w))  # [B, N, C]
@@ -316,8 +376,8 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(nv // nk, dim=2)
         q = _l2norm(q) / math.sqrt(dk)
         k = _l2norm(k)
-        beta = self.in_proj_b(x).sigmoid().to(sd)  # [B, N, nv]
-        g = -self.A_log.to(sd).exp() * F.softplus(self.in_proj_a(x).to(sd) + self.dt_bias.to(sd))
+        beta = b_proj.sigmoid().to(sd)  # [B, N, nv]
+        g = -self.A_log.to(sd).exp() * F.softplus(a_proj.to(sd) + self.dt_bias.to(sd))
         decay = g.exp()
         S = cache.rec[b.slots].masked_fill(fresh[:, None, None, None], 0)  # [B, nv, dk, dv]
         if N >= CHUNKED_MIN_TOKENS and not b.keep_states:  # prefill: chunked form, padding made a no-op
@@ -325,7 +385,7 @@ class GatedDeltaNet(nn.Module):
             out, S = chunked_gated_delta_rule(q, k, v, g.masked_fill(pad[..., None], 0),
                                               beta.masked_fill(pad[..., None], 0), S)
             cache.rec[b.slots] = S
-            return self._out(out, x)
+            return self._out(out, z)
         # ---- gated delta rule, token by token; padded positions leave the state as it is
         out = torch.empty(B, N, nv, dv, dtype=sd, device=x.device)
         snaps = cache.snapshot_buffer(N) if b.keep_states else None
@@ -348,13 +408,13 @@ class GatedDeltaNet(nn.Module):
         cache.rec[b.slots] = S
         if snaps is not None:
             cache.snap_xs_store(b.slots, xs)
-        return self._out(out, x)
+        return self._out(out, z)
 
-    def _out(self, out: Tensor, x: Tensor) -> Tensor:
+    def _out(self, out: Tensor, z: Tensor) -> Tensor:
         """Gated RMSNorm (float32, like transformers) and out_proj."""
-        B, N, _ = x.shape
-        dtype = x.dtype
-        z = self.in_proj_z(x).reshape(B, N, self.c.linear_num_value_heads, self.c.linear_value_head_dim)
+        B, N, _ = z.shape
+        dtype = z.dtype
+        z = z.reshape(B, N, self.c.linear_num_value_heads, self.c.linear_value_head_dim)
         o = out.float() if out.dtype != torch.float64 else out
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm.eps)
         o = (self.norm.weight * o.to(dtype)) * F.silu(z.to(o.dtype))
@@ -362,18 +422,65 @@ class GatedDeltaNet(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: LMConfig):
+    """SwiGLU: the dense MLP, one routed expert, or the shared expert (``size``: its width)."""
+
+    def __init__(self, c: LMConfig, size: Optional[int] = None):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        size = c.intermediate_size if size is None else size
+        self.gate_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class SparseMoE(nn.Module):
+    """Qwen3.5-MoE / Qwen3-Next MLP: a softmax router (float32) picks the top-k experts per token
+    (probabilities renormalised over the k when ``norm_topk_prob``), each a SwiGLU MLP; their
+    weighted sum plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+    Experts are per-expert modules named as HF checkpoints and our export store them
+    (``mlp.experts.E.{gate,up,down}_proj``), so loading and weight updates stay one tensor per name.
+    A forward gathers each hit expert's tokens (assignments sorted by expert), runs the expert once
+    on them and scatters the weighted rows back: one matmul chain per hit expert, no per-token loop."""
+
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.top_k, self.norm_topk = c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = nn.ModuleList([MLP(c, c.moe_intermediate_size) for _ in range(c.num_experts)])
+        self.shared_expert = MLP(c, c.shared_expert_intermediate_size) if c.shared_expert_intermediate_size else None
+        if self.shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weight, expert = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(x.dtype)
+        flat = expert.reshape(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert, ascending
+        tokens = order // self.top_k
+        w_sorted = weight.reshape(-1)[order, None]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start: start + n]
+                out.index_add_(0, rows, self.experts[e](x.index_select(0, rows)) * w_sorted[start: start + n])
+                start += n
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, c: LMConfig, kind: str = "full_attention"):
+    def __init__(self, c: LMConfig, kind: str = "full_attention", moe: bool = False):
         super().__init__()
         self.kind = kind
         self.input_layernorm = _norm(c, c.hidden_size)
@@ -382,7 +489,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(c)
         self.post_attention_layernorm = _norm(c, c.hidden_size)
-        self.mlp = MLP(c)
+        self.mlp = SparseMoE(c) if moe else MLP(c)
 
     def forward(self, x, cos, sin, cache, batch):
         if self.kind == "linear_attention":
@@ -398,7 +505,8 @@ class MTPModule(nn.Module):
         self.enorm = _norm(c, c.hidden_size)
         self.hnorm = _norm(c, c.hidden_size)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.mtp_layers_per_module)])  # full attention
+        # full attention; MoE in an MoE model (as Qwen3.5-MoE / Qwen3-Next ship mtp.layers.0)
+        self.layers = nn.ModuleList([DecoderLayer(c, moe=c.num_experts > 0) for _ in range(c.mtp_layers_per_module)])
         self.final_norm = _norm(c, c.hidden_size)
 
 
@@ -532,7 +640,8 @@ class CausalLMWithMTP(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(c, c.layer_kind(i)) for i in range(c.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(c, c.layer_kind(i), c.moe_layer(i))
+                                     for i in range(c.num_hidden_layers)])
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_mtp_modules)])
@@ -636,6 +745,9 @@ class CausalLMWithMTP(nn.Module):
                 raise ValueError(f"missing tensor(s): {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         with torch.no_grad():
             for hf_name, t in todo:
+                order = gdn_hf_row_order(hf_name, self.config)
+                if order is not None:
+                    t = t.index_select(0, order.to(t.device))
                 params[by_hf[hf_name]].copy_(t.to(params[by_hf[hf_name]].dtype))
         return [n for n, _ in todo]
 
@@ -662,12 +774,42 @@ class CausalLMWithMTP(nn.Module):
 
 def canonical_hf_names(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """Qwen3.5 ``ForConditionalGeneration`` checkpoints prefix the text model with
-    ``model.language_model.`` and carry a vision tower: map to the text model's names, drop the tower."""
+    ``model.language_model.`` and carry a vision tower: map to the text model's names, drop the tower.
+    Experts stored fused (transformers' in-memory ``mlp.experts.gate_up_proj`` [E, 2I, H] = per expert
+    [gate; up], ``mlp.experts.down_proj`` [E, H, I]) become the per-expert tensors the engine holds."""
     pre = "model.language_model."
-    if not any(k.startswith(pre) for k in tensors):
+    if any(k.startswith(pre) for k in tensors):
+        tensors = {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in tensors.items()
+                   if not k.startswith(("model.visual.", "model.vision"))}
+    if not any(k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in tensors):
         return tensors
-    return {("model." + k[len(pre):] if k.startswith(pre) else k): v for k, v in tensors.items()
-            if not k.startswith(("model.visual.", "model.vision"))}
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith(".mlp.experts.gate_up_proj") and v.dim() == 3:
+            base = k[: -len("gate_up_proj")]
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = v[e].chunk(2, dim=0)
+        elif k.endswith(".mlp.experts.down_proj") and v.dim() == 3:
+            base = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = v[e]
+        else:
+            out[k] = v
+    return out
+
+
+def gdn_hf_row_order(hf_name: str, c: LMConfig) -> Optional[Tensor]:
+    """For Qwen3-Next's ``linear_attn.in_proj_qkvz`` (rows per key head h: [q_h, k_h, v_h.., z_h..]) and
+    ``in_proj_ba`` ([b_h.., a_h..] per key head): the HF rows in the engine's order [q; k; v; z] /
+    [b; a] (``ours = hf[order]``), else None. The value heads of key head h are h*r .. h*r + r - 1."""
+    if c.gdn_layout != "qwen3_next" or not hf_name.endswith(("linear_attn.in_proj_qkvz.weight",
+                                                             "linear_attn.in_proj_ba.weight")):
+        return None
+    nk, r, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads, \
+        c.linear_key_head_dim, c.linear_value_head_dim
+    sizes = [dk, dk, r * dv, r * dv] if "qkvz" in hf_name else [r, r]
+    rows = torch.arange(nk * sum(sizes)).view(nk, sum(sizes))
+    return torch.cat([part.reshape(-1) for part in rows.split(sizes, dim=1)])
 
 
 def _ignorable(name: str) -> bool:
