@@ -21,9 +21,8 @@ from bebop_megatron.rollout.modeling import CausalLMWithMTP
 from tests.server_utils import ServerProcess
 from tests.tiny_models import make_hf_checkpoint
 
-# `make test` runs 1,000 deterministic examples (~1 min); docs/reliability.md's figures are from a
-# BEBOP_FUZZ_EXAMPLES=2200 run.
-N_EXAMPLES = int(os.environ.get("BEBOP_FUZZ_EXAMPLES", "1000"))
+# deterministic examples (docs/reliability.md's figures); BEBOP_FUZZ_EXAMPLES runs more, or fewer
+N_EXAMPLES = int(os.environ.get("BEBOP_FUZZ_EXAMPLES", "2200"))
 
 
 def fl(lo, hi):
@@ -185,7 +184,7 @@ def test_server_survives_and_still_answers_correctly(target):
         [[5, 6, 7]], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
     assert r.json()["output_ids"] == ref.output_ids
     print(f"\nfuzz tally: {TALLY}")
-    assert TALLY["requests"] >= 2000
+    assert TALLY["requests"] >= N_EXAMPLES * 0.9  # the examples that reached the server
 
 
 def _load_tool():
