@@ -5,23 +5,9 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.tiny_models import tiny_config
 
 LOSSES = ["ce", "kl", "tv", "e2e_tv"]
-
-
-def tiny_config(**model_overrides):
-    from bebop_megatron.config import Config
-
-    cfg = Config()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size = 2, 32, 64
-    m.num_attention_heads, m.num_query_groups, m.kv_channels = 4, 2, 8
-    m.vocab_size, m.make_vocab_size_divisible_by = 100, 64  # padded to 128 at TP=1 and TP=2
-    m.mtp_num_layers = 2
-    for k, v in model_overrides.items():
-        setattr(m, k, v)
-    cfg.data.seq_length = 16
-    return cfg
 
 
 def _batch(seed, b=2, s=16, vocab=100):

@@ -223,7 +223,8 @@ def _recurrent_worker(rank, world, ckpt_dir):
     from bebop_megatron.checkpointing import load_checkpoint, model_sharded_state_dict, save_checkpoint
     from bebop_megatron.model import build_model
     from bebop_megatron.parallel import initialize_distributed
-    from tests.test_parallel import _batch, tiny_config
+    from tests.test_parallel import _batch
+    from tests.tiny_models import tiny_config
 
     gamma = 3
     cfg = tiny_config(mtp_num_layers=gamma, mtp_recurrent=True)

@@ -14,27 +14,17 @@ from bebop_megatron.rl.grpo import group_advantages
 from bebop_megatron.rl.rollout import PromptSource
 from bebop_megatron.rl.types import Prompt, Sample
 from tests.distributed import run_distributed
+from tests.tiny_models import tiny_config
 
 
 def rl_tiny_config(strategy: str = "frozen", tp: int = 1):
-    from bebop_megatron.config import Config
-
-    cfg = Config()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.ffn_hidden_size = 2, 32, 64
-    m.num_attention_heads, m.num_query_groups, m.kv_channels = 4, 2, 8
-    m.vocab_size, m.make_vocab_size_divisible_by = 64, 32
-    m.mtp_num_layers, m.tie_word_embeddings = 2, True
-    m.transformer_impl = "local"
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.micro_batch_size = 4
-    cfg.data.seq_length = 32
-    r = cfg.rl
-    r.prompts_per_step, r.group_size, r.max_new_tokens = 2, 4, 8
-    r.mtp_strategy, r.lr, r.steps = strategy, 1e-2, 1
-    r.growmtp_topk = 4
-    cfg.train.progress = False
-    return cfg
+    """The tiny trunk (tests/tiny_models.py) with a 64-token tied vocabulary and a small GRPO batch."""
+    return tiny_config({"parallel.tensor_model_parallel_size": tp, "parallel.micro_batch_size": 4,
+                        "data.seq_length": 32, "rl.prompts_per_step": 2, "rl.group_size": 4, "rl.max_new_tokens": 8,
+                        "rl.mtp_strategy": strategy, "rl.lr": 1e-2, "rl.steps": 1, "rl.growmtp_topk": 4,
+                        "train.progress": False},
+                       vocab_size=64, make_vocab_size_divisible_by=32, tie_word_embeddings=True,
+                       transformer_impl="local")
 
 
 def fake_samples(seed: int, n_prompts: int = 2, group: int = 4, gamma: int = 2, topk: int = 4, vocab: int = 58):

@@ -16,16 +16,15 @@ import yaml
 from bebop_megatron.config import Config
 from bebop_megatron.data import load_tokenizer
 from bebop_megatron.rl.rollout import PromptSource, build_prompts
+from tests.tiny_models import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_config(tmp: Path, **rl) -> Path:
     raw = {
-        "model": {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4,
-                  "num_query_groups": 2, "vocab_size": 64, "make_vocab_size_divisible_by": 64,
-                  "max_position_embeddings": 64, "tie_word_embeddings": True, "mtp_num_layers": 2,
-                  "transformer_impl": "local"},
+        "model": {**TINY_MODEL, "vocab_size": 64, "make_vocab_size_divisible_by": 64,
+                  "max_position_embeddings": 64, "tie_word_embeddings": True, "transformer_impl": "local"},
         "parallel": {"micro_batch_size": 8, "global_batch_size": 8},
         "data": {"seq_length": 40},
         "train": {"progress": False, "seed": 5},

@@ -130,7 +130,8 @@ def _reshard_worker(rank, world, ckpt_dir):
     from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
     from bebop_megatron.model import build_model
     from bebop_megatron.parallel import initialize_distributed
-    from tests.test_parallel import _batch, tiny_config
+    from tests.test_parallel import _batch
+    from tests.tiny_models import tiny_config
 
     cfg = tiny_config(tie_word_embeddings=False)
     tokens, _, _, pos = _batch(5)

@@ -13,7 +13,7 @@ def _worker(rank, world, tp):
     from bebop_megatron.rl.weight_sync import rollout_model_for, sync_engine
     from bebop_megatron.rollout.engine import Engine, SpecConfig
     from bebop_megatron.rollout.modeling import make_batch_index
-    from tests.test_parallel import tiny_config
+    from tests.tiny_models import tiny_config
 
     cfg = tiny_config(tie_word_embeddings=False)
     cfg.parallel.tensor_model_parallel_size = tp

@@ -100,3 +100,32 @@ def tiny_hybrid_config(arch: str = "qwen3_5"):
         m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size = 4, 2, 16
         m.moe_shared_expert_intermediate_size = 24
     return cfg
+
+
+# The tests' one tiny megatron trunk: 2 layers, hidden 32, 4 heads in 2 query groups, γ = 2 MTP layers.
+TINY_MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                  kv_channels=8, mtp_num_layers=2)
+
+
+def tiny_config(overrides: dict | None = None, **model):
+    """The tiny megatron ``Config`` every in-process and worker test builds from (a function, not only a
+    fixture, because gloo workers build it in their own process). ``model`` sets model fields over
+    ``TINY_MODEL``; ``overrides`` sets any field by its dotted name, as ``--set`` does
+    (``{"rl.lr": 1e-2, "data.seq_length": 32}``). Unknown names fail loudly."""
+    from bebop_megatron.config import Config
+
+    cfg = Config()
+    for k, v in {**TINY_MODEL, "vocab_size": 100, "make_vocab_size_divisible_by": 64, **model}.items():
+        _set(cfg, f"model.{k}", v)
+    _set(cfg, "data.seq_length", 16)
+    for k, v in (overrides or {}).items():
+        _set(cfg, k, v)
+    return cfg
+
+
+def _set(cfg, dotted: str, value) -> None:
+    section, key = dotted.split(".")
+    obj = getattr(cfg, section)
+    if not hasattr(obj, key):
+        raise AttributeError(f"tiny_config: no field {dotted!r}")
+    setattr(obj, key, value)
