@@ -2,7 +2,6 @@
 and TP=2, TP/PP layouts reshard, the engine loads the export, and bad input fails cleanly."""
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bebop_megatron.mtp.losses import mtp_objective, segment_ids_from_position_ids, vocab_parallel_alpha
 

@@ -209,7 +209,7 @@ def _fast_rounds(toy, start, n_tokens, mode, N, seed, draft=None):
     all of a round's uniforms drawn at once ([N, 2γ+1]), drafts by inverse CDF, verify_chain with
     uniforms. Returns [N, n_tokens] emitted tokens and the per-depth (accepted, reached) counts.
     ``draft(k, ctx)``: the float32 draft distributions [N, V] of depth k (default toy.Q[k][ctx])."""
-    g, V = toy.gamma, toy.V
+    g = toy.gamma
     T = toy.T.float()
     Q = [q.float() for q in toy.Q]
     gen = torch.Generator().manual_seed(seed)
