@@ -63,8 +63,9 @@ MULTIPROCESS_TESTS = {  # tests that spawn processes in otherwise in-process mod
 
 
 def pytest_collection_modifyitems(config, items):
-    names = {f"{it.path.name}::{it.originalname}" for it in items}
-    stale = {n for n in SLOW_TESTS | MULTIPROCESS_TESTS if n.split("::")[0] in {it.path.name for it in items} and n not in names}
+    modules = {it.path.name: it.module for it in items if getattr(it, "module", None) is not None}
+    stale = {n for n in SLOW_TESTS | MULTIPROCESS_TESTS
+             if n.split("::")[0] in modules and not hasattr(modules[n.split("::")[0]], n.split("::")[1])}
     if stale:  # a renamed test must not silently lose its marker
         raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS/MULTIPROCESS_TESTS name tests that do not exist: {sorted(stale)}")
     for it in items:
