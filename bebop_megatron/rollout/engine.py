@@ -44,12 +44,14 @@ argmax p) are exact for any draft too, so temperature 0 still equals plain greed
 Sampling and verification run in float32 (``sampling_dtype``; float64 is the reference) with
 all of a request's uniforms for a round drawn at once from its own generator.
 
-γ per round (``SpecConfig.adaptive``): the engine measures the wall time of a round for each
-γ (0..max) at the current batch size (power-of-two buckets, exponential moving averages,
-occasional re-measurement) and picks the γ that maximises expected tokens per second,
-E[tokens | γ] = 1 + Σ_{j≤γ} Π_{i≤j} α_i with the running per-depth acceptance α_i. γ = 0 is
-plain decoding, so speculation is not slower than plain beyond the exploration rounds (one in
-``ADAPTIVE_REMEASURE``); γ > 0 is chosen only when its predicted gain exceeds ``ADAPTIVE_MARGIN``.
+γ per round (``SpecConfig.adaptive``): the engine measures the cost of a round for each γ
+(0..max) at the current batch size (power-of-two buckets; the median of recent *steady* rounds, i.e.
+not those that also catch the MTP depths up over positions decoded plainly or just prefilled) and
+picks the γ that maximises expected tokens per second, E[tokens | γ] = 1 + Σ_{j≤γ} Π_{i≤j} α_i with
+the running per-depth acceptance α_i. γ > 0 is chosen only when its predicted gain exceeds
+``ADAPTIVE_MARGIN``. While speculating, one round in ``ADAPTIVE_REMEASURE`` re-measures another γ.
+While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a two-round
+probe at intervals doubling up to ``ADAPTIVE_PROBE_MAX`` rounds.
 
 Acceptance metric (one definition, everywhere):
   * a draft is *proposed* only if it could still be emitted: drafts past an accepted stop token
@@ -261,13 +263,16 @@ class Engine:
             self.eos_id = getattr(tokenizer, "eos_token_id", None) or getattr(tokenizer, "eos_id", None)
         # cumulative stats (SGLang's /get_server_info internal_states)
         self.reset_stats()
-        # adaptive γ: EMA of round seconds per (batch bucket, γ), running per-depth acceptance
+        # adaptive γ: recent steady round costs per (batch bucket, γ), running per-depth acceptance,
+        # and per bucket where plain decoding wins, when to probe speculation again (round, interval)
         self._cost_samples: dict[tuple[int, int], deque] = {}
-        self._cost_n: dict[tuple[int, int], int] = {}
         self._alpha = [0.7] * g
         self._life_acc, self._life_reach = [0] * g, [0] * g
         self._rounds = 0
         self.last_gamma = g
+        self._caught_up = False  # the MTP depths of every decoding request are current
+        self._probe_at: dict[int, tuple[int, int]] = {}
+        self._probe_left, self._probe_gamma = 0, 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
@@ -362,13 +367,17 @@ class Engine:
                 self._prefill(admitted)
             if decoding:
                 gamma = self._choose_gamma(len(decoding)) if self.gamma else 0
+                # a γ > 0 round after plain rounds or after its requests' prefill also runs the MTP
+                # depths over the positions they missed (catch-up): not the steady cost of γ
+                steady = gamma == 0 or self._caught_up
                 t0 = self._clock()
                 if gamma:
                     self._speculative_round(decoding, gamma)
                 else:
                     self._plain_round(decoding)
                 if self.gamma and self.spec.adaptive:
-                    self._record_cost(len(decoding), gamma, self._clock() - t0)
+                    self._record_cost(len(decoding), gamma, self._clock() - t0, steady)
+                self._caught_up = gamma > 0 and not admitted  # admitted requests join next round
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False) -> list[Request]:
@@ -401,17 +410,28 @@ class Engine:
         return e
 
     ADAPTIVE_MARGIN = 0.05  # speculate only if the predicted tokens/s beat plain by more than this
-    ADAPTIVE_REMEASURE = 32  # every N-th round runs another γ, so its cost estimate stays current
+    ADAPTIVE_SAMPLES = 3  # steady rounds measured per (bucket, γ) before choosing
+    ADAPTIVE_REMEASURE = 32  # while speculating, every N-th round re-measures another γ
+    ADAPTIVE_PROBE_MAX = 1024  # while plain wins, the probe interval doubles from REMEASURE up to this
+    ADAPTIVE_PROBE_ROUNDS = 2  # a probe: one catch-up round, then one steady, measured round
 
     def _choose_gamma(self, B: int) -> int:
+        """γ for this round. Measure every γ at this batch bucket, then run the γ with the best
+        predicted tokens per second. Where plain wins, a γ > 0 round must first catch the MTP depths
+        up over every position decoded plainly, so re-checking is not free: it is a short probe at
+        intervals that double while plain keeps winning (amortised to a few rounds in a thousand)."""
         g = self.gamma
         if not self.spec.adaptive:
             self.last_gamma = g
             return g
         self._rounds += 1
+        if self._probe_left:
+            self._probe_left -= 1
+            self.last_gamma = self._probe_gamma
+            return self._probe_gamma
         bk = self._bucket(B)
-        for cand in range(g, -1, -1):  # measure every γ per bucket first (the first sample is a warm-up)
-            if self._cost_n.get((bk, cand), 0) < 3:
+        for cand in range(g, -1, -1):  # measure every γ at this bucket first
+            if len(self._cost_samples.get((bk, cand), ())) < self.ADAPTIVE_SAMPLES:
                 self.last_gamma = cand
                 return cand
         cost = {c: statistics.median(self._cost_samples[(bk, c)]) for c in range(g + 1)}
@@ -419,19 +439,27 @@ class Engine:
         best = max(score, key=score.get)
         if best and score[best] < score[0] * (1.0 + self.ADAPTIVE_MARGIN):
             best = 0  # a predicted gain inside the measurement noise is not worth the risk
-        if self._rounds % self.ADAPTIVE_REMEASURE == 0:  # re-measure the others in turn (costs drift)
-            others = [c for c in range(g + 1) if c != best]
-            best = others[(self._rounds // self.ADAPTIVE_REMEASURE) % len(others)]
+        if best == 0:
+            due, interval = self._probe_at.get(bk, (self._rounds + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
+            if self._rounds >= due:  # probe the most promising γ > 0 (costs and acceptance drift)
+                best = max(range(1, g + 1), key=score.get)
+                self._probe_gamma, self._probe_left = best, self.ADAPTIVE_PROBE_ROUNDS - 1
+                interval = min(2 * interval, self.ADAPTIVE_PROBE_MAX)
+                due = self._rounds + interval
+            self._probe_at[bk] = (due, interval)
+        else:
+            self._probe_at.pop(bk, None)  # speculation wins here: back-off starts over if plain wins again
+            if self._rounds % self.ADAPTIVE_REMEASURE == 0:  # re-measure the others in turn (costs drift)
+                others = [c for c in range(g + 1) if c != best]
+                best = others[(self._rounds // self.ADAPTIVE_REMEASURE) % len(others)]
         self.last_gamma = best
         return best
 
-    def _record_cost(self, B: int, gamma: int, seconds: float) -> None:
-        key = (self._bucket(B), gamma)
-        n = self._cost_n.get(key, 0)
-        self._cost_n[key] = n + 1
-        if n > 0:  # robust: median of the recent samples, the first (warm-up) one dropped
-            self._cost_samples.setdefault(key, deque(maxlen=9)).append(seconds)
+    def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True) -> None:
+        """Keep the recent steady costs of a round (median of up to 9 is robust to stragglers)."""
         self.gamma_hist[gamma] += 1
+        if steady:
+            self._cost_samples.setdefault((self._bucket(B), gamma), deque(maxlen=9)).append(seconds)
 
     # ------------------------------------------------------------------ internals
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
