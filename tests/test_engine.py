@@ -395,9 +395,11 @@ def test_adaptive_gamma_is_exact_and_follows_cost(qwen3_dir):
     # every draft costs as much as a target step and drafts are rarely accepted: plain wins, and
     # after measuring each γ the engine runs γ = 0 but for short probes at doubling intervals
     hist = run(lambda g: 1.0 + g, 0.1)
-    measured = 1 + 4 * Engine.ADAPTIVE_SAMPLES  # the first γ > 0 round after the prefill catches up, unmeasured
+    # per γ: one warm-up round and the samples; the first γ > 0 round after plain ones catches up
+    measured = 4 * (1 + Engine.ADAPTIVE_SAMPLES) + 1
     probes = math.ceil(math.log2(sum(hist) / Engine.ADAPTIVE_REMEASURE))  # intervals 64, 128, ...
-    assert sum(hist) - measured - Engine.ADAPTIVE_PROBE_ROUNDS * probes <= hist[0] < sum(hist) - measured, hist
+    spec_measured = measured - (1 + Engine.ADAPTIVE_SAMPLES)  # the γ > 0 part of the measuring rounds
+    assert sum(hist) - spec_measured - Engine.ADAPTIVE_PROBE_ROUNDS * probes <= hist[0] < sum(hist) - spec_measured, hist
     # drafts are nearly free and usually accepted: the engine speculates at full depth
     hist = run(lambda g: 1.0 + 0.01 * g, 0.9)
     assert hist[3] >= sum(hist) - measured - sum(hist) // Engine.ADAPTIVE_REMEASURE - 2, hist

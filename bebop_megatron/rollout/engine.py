@@ -46,7 +46,8 @@ all of a request's uniforms for a round drawn at once from its own generator.
 
 γ per round (``SpecConfig.adaptive``): the engine measures the cost of a round for each γ
 (0..max) at the current batch size (power-of-two buckets; the median of recent *steady* rounds, i.e.
-not those that also catch the MTP depths up over positions decoded plainly or just prefilled) and
+not those that also catch the MTP depths up over positions decoded plainly or just prefilled; γ > 0
+costs as ratios to the plain cost of their time, so a machine whose load drifts does not tilt it) and
 picks the γ that maximises expected tokens per second, E[tokens | γ] = 1 + Σ_{j≤γ} Π_{i≤j} α_i with
 the running per-depth acceptance α_i. γ > 0 is chosen only when its predicted gain exceeds
 ``ADAPTIVE_MARGIN``. While speculating, one round in ``ADAPTIVE_REMEASURE`` re-measures another γ.
@@ -263,14 +264,16 @@ class Engine:
             self.eos_id = getattr(tokenizer, "eos_token_id", None) or getattr(tokenizer, "eos_id", None)
         # cumulative stats (SGLang's /get_server_info internal_states)
         self.reset_stats()
-        # adaptive γ: recent steady round costs per (batch bucket, γ), running per-depth acceptance,
-        # and per bucket where plain decoding wins, when to probe speculation again (round, interval)
+        # adaptive γ, per (batch bucket, γ): recent steady round costs, in seconds for γ = 0 and as
+        # ratios to the plain cost of their time for γ > 0; the running per-depth acceptance; and per
+        # bucket where plain decoding wins, when to probe speculation again (round, interval)
         self._cost_samples: dict[tuple[int, int], deque] = {}
+        self._cost_warm: set[tuple[int, int]] = set()  # keys whose first (warm-up) sample was dropped
         self._alpha = [0.7] * g
         self._life_acc, self._life_reach = [0] * g, [0] * g
         self._rounds = 0
         self.last_gamma = g
-        self._caught_up = False  # the MTP depths of every decoding request are current
+        self._current_depths = 0  # MTP depths 1..n are current for every decoding request
         self._probe_at: dict[int, tuple[int, int]] = {}
         self._probe_left, self._probe_gamma = 0, 0
 
@@ -367,9 +370,9 @@ class Engine:
                 self._prefill(admitted)
             if decoding:
                 gamma = self._choose_gamma(len(decoding)) if self.gamma else 0
-                # a γ > 0 round after plain rounds or after its requests' prefill also runs the MTP
-                # depths over the positions they missed (catch-up): not the steady cost of γ
-                steady = gamma == 0 or self._caught_up
+                # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
+                # prefilled) also runs them over those (catch-up): not the steady cost of γ
+                steady = gamma <= self._current_depths
                 t0 = self._clock()
                 if gamma:
                     self._speculative_round(decoding, gamma)
@@ -377,7 +380,7 @@ class Engine:
                     self._plain_round(decoding)
                 if self.gamma and self.spec.adaptive:
                     self._record_cost(len(decoding), gamma, self._clock() - t0, steady)
-                self._caught_up = gamma > 0 and not admitted  # admitted requests join next round
+                self._current_depths = 0 if admitted else gamma  # admitted requests join next round
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False) -> list[Request]:
@@ -409,7 +412,8 @@ class Engine:
             e += prod
         return e
 
-    ADAPTIVE_MARGIN = 0.05  # speculate only if the predicted tokens/s beat plain by more than this
+    ADAPTIVE_MARGIN = 0.10  # speculate only if the predicted tokens/s beat plain by more than this (switching
+    # from plain also pays a catch-up round, which the steady costs leave out)
     ADAPTIVE_SAMPLES = 3  # steady rounds measured per (bucket, γ) before choosing
     ADAPTIVE_REMEASURE = 32  # while speculating, every N-th round re-measures another γ
     ADAPTIVE_PROBE_MAX = 1024  # while plain wins, the probe interval doubles from REMEASURE up to this
@@ -430,12 +434,13 @@ class Engine:
             self.last_gamma = self._probe_gamma
             return self._probe_gamma
         bk = self._bucket(B)
-        for cand in range(g, -1, -1):  # measure every γ at this bucket first
+        for cand in (0, *range(g, 0, -1)):  # measure every γ at this bucket first, plain first
             if len(self._cost_samples.get((bk, cand), ())) < self.ADAPTIVE_SAMPLES:
                 self.last_gamma = cand
                 return cand
-        cost = {c: statistics.median(self._cost_samples[(bk, c)]) for c in range(g + 1)}
-        score = {c: self.expected_tokens(c) / cost[c] for c in range(g + 1)}
+        # predicted tokens per unit of plain-round cost (plain: 1)
+        score = {c: self.expected_tokens(c) / statistics.median(self._cost_samples[(bk, c)]) for c in range(1, g + 1)}
+        score[0] = 1.0
         best = max(score, key=score.get)
         if best and score[best] < score[0] * (1.0 + self.ADAPTIVE_MARGIN):
             best = 0  # a predicted gain inside the measurement noise is not worth the risk
@@ -456,10 +461,23 @@ class Engine:
         return best
 
     def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True) -> None:
-        """Keep the recent steady costs of a round (median of up to 9 is robust to stragglers)."""
+        """Keep the recent steady costs of a round; the first of each (bucket, γ) is a warm-up
+        (first shapes) and is dropped. A γ > 0 cost is kept as a ratio to the plain cost measured
+        around the same time, so that a machine that gets busier or quieter while the engine
+        speculates (or decodes plainly) does not tilt the choice: only ratios are compared."""
         self.gamma_hist[gamma] += 1
-        if steady:
-            self._cost_samples.setdefault((self._bucket(B), gamma), deque(maxlen=9)).append(seconds)
+        key = (self._bucket(B), gamma)
+        if not steady:
+            return
+        if key not in self._cost_warm:
+            self._cost_warm.add(key)
+            return
+        if gamma:
+            plain = self._cost_samples.get((key[0], 0))
+            if not plain:
+                return
+            seconds /= statistics.median(plain)
+        self._cost_samples.setdefault(key, deque(maxlen=5)).append(seconds)
 
     # ------------------------------------------------------------------ internals
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
