@@ -378,8 +378,10 @@ class Engine:
                     self._speculative_round(decoding, gamma)
                 else:
                     self._plain_round(decoding)
-                if self.gamma and self.spec.adaptive:
-                    self._record_cost(len(decoding), gamma, self._clock() - t0, steady)
+                if self.gamma:
+                    self.gamma_hist[gamma] += 1  # rounds run at each γ (fixed γ too)
+                    if self.spec.adaptive:
+                        self._record_cost(len(decoding), gamma, self._clock() - t0, steady)
                 self._current_depths = 0 if admitted else gamma  # admitted requests join next round
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -465,7 +467,6 @@ class Engine:
         (first shapes) and is dropped. A γ > 0 cost is kept as a ratio to the plain cost measured
         around the same time, so that a machine that gets busier or quieter while the engine
         speculates (or decodes plainly) does not tilt the choice: only ratios are compared."""
-        self.gamma_hist[gamma] += 1
         key = (self._bucket(B), gamma)
         if not steady:
             return
