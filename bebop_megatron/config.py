@@ -382,6 +382,8 @@ class Config:
             bad = set(values) - known
             if bad:
                 raise ConfigError(f"unknown key(s) in '{f.name}': {sorted(bad)}")
+            values = {k: _numeric(f.name, k, v, types[k]) for k, v in values.items()
+                      for types in [{sf.name: sf.type for sf in dataclasses.fields(section_cls)}]}
             try:
                 kwargs[f.name] = section_cls(**values)
             except TypeError as e:
@@ -645,6 +647,20 @@ def load_yaml_with_base(path: Path, _seen: Optional[set] = None) -> dict[str, An
         else:
             merged[section] = values
     return merged
+
+
+def _numeric(section: str, key: str, value: Any, annotation: Any) -> Any:
+    """Numbers as numbers: PyYAML reads ``5e-5`` (no dot) as a string, in files and in ``--set``
+    alike, so a float field takes a numeric string; any other non-number there is a config error."""
+    ann = str(annotation).replace("typing.", "")
+    if ann in ("float", "Optional[float]", "int", "Optional[int]") and isinstance(value, str):
+        try:
+            return float(value) if "float" in ann else int(value)
+        except ValueError:
+            raise ConfigError(f"{section}.{key} must be a number, got {value!r}") from None
+    if ann in ("float", "int") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{section}.{key} must be a number, got {value!r}")
+    return value
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:

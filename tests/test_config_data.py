@@ -42,10 +42,21 @@ def test_overrides_and_yaml_types(tmp_path):
     ("model.arch=llama", "model.arch"),
     ("data.seq_length=100000", "max_position_embeddings"),
     ("parallel.global_batch_size=7", "global_batch_size"),
+    ("rl.lr=fast", "rl.lr must be a number"),
+    ("rl.steps=ten", "rl.steps must be a number"),
 ])
 def test_bad_configs_name_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):
         Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", [override])
+
+
+def test_exponent_without_dot_is_a_number(tmp_path):
+    """PyYAML reads 5e-5 as a string; float fields take it as the number it means (was a TypeError)."""
+    assert Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["rl.lr=5e-5"]).rl.lr == 5e-5
+    f = tmp_path / "c.yaml"
+    f.write_text("rl:\n  lr: 3e-4\n  steps: '7'\n")
+    cfg = Config.load(f)
+    assert cfg.rl.lr == 3e-4 and cfg.rl.steps == 7
 
 
 def test_unknown_keys_and_files(tmp_path):
