@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -114,11 +115,29 @@ def run_local_workers(fn, world_size: int, *args, timeout: float = 3600.0) -> li
         p.start()
     results, errors = {}, []
     try:
-        for _ in range(world_size):
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
             try:
-                rank, status, value = q.get(timeout=timeout)
+                rank, status, value = q.get(timeout=1.0)
             except queue_mod.Empty:
-                raise RuntimeError(f"local workers timed out after {timeout}s") from None
+                if any(p.exitcode is not None and r not in results for r, p in enumerate(procs)):
+                    try:  # a result written just before its worker exited may still be in the pipe
+                        rank, status, value = q.get(timeout=5.0)
+                    except queue_mod.Empty:
+                        rank = None
+                else:
+                    rank = None
+            if rank is None:
+                # a worker that died without reporting (killed, or failed to start: for example a
+                # script without an ``if __name__ == "__main__":`` guard) must not leave us waiting
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if dead:
+                    raise RuntimeError("local worker(s) exited without a result: " + ", ".join(
+                        f"rank {r} (exit code {c})" for r, c in dead) + "; a script that starts workers needs an "
+                        "`if __name__ == \"__main__\":` guard (forkserver re-imports the main module)") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"local workers timed out after {timeout}s") from None
+                continue
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             else:

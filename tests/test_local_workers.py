@@ -30,3 +30,22 @@ def test_run_local_workers_returns_tensors_after_workers_exit():
     out = run_local_workers(_tensor_result, 2, 1000, timeout=300)
     assert [o["rank"] for o in out] == [0, 1]
     assert torch.equal(out[1]["t"], 2 * torch.arange(1000, dtype=torch.float32))
+
+
+def _die(rank: int, world_size: int) -> None:
+    if rank == 1:
+        import os
+
+        os._exit(3)  # dies without reporting, as a killed worker or one that fails to start would
+    return None
+
+
+def test_worker_that_dies_without_a_result_fails_fast():
+    import time
+
+    import pytest
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(exit code 3\)"):
+        run_local_workers(_die, 2, timeout=600)
+    assert time.monotonic() - t0 < 60  # not the 600 s timeout
