@@ -69,7 +69,7 @@ def test_draft_distributions_equal_cache_free_recomputation(tmp_path, layout, ga
     st = SamplingTensors.build([r.params for r in reqs])
     L = torch.tensor([len(r.tokens) for r in reqs])
     u = torch.rand(len(reqs), gamma, dtype=torch.float64)
-    drafts, q = eng._draft(torch.tensor([r.slot for r in reqs]), L, st, gamma, u)
+    drafts, q = eng._draft([r.slot for r in reqs], L, st, gamma, u)
     for i, r in enumerate(reqs):
         L = len(r.tokens)
         seq = r.tokens + drafts[i, : gamma - 1].tolist()  # drafts stand in for the future tokens

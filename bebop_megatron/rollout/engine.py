@@ -249,7 +249,7 @@ class Engine:
             self.hid = torch.zeros(max_running, self.cache_len, h, dtype=dtype, device=dev)  # trunk -> MTP hidden
             self.tok = torch.zeros(max_running, self.cache_len, dtype=torch.long, device=dev)  # committed tokens
             self.carry = torch.zeros(max_running, g + 1, h, dtype=dtype, device=dev)
-            self.valid = torch.zeros(max_running, g + 1, dtype=torch.long, device=dev)
+            self.valid = [[0] * (g + 1) for _ in range(max_running)]  # host: first uncomputed position per depth
         # reduced-vocabulary draft: the map's ids and their LM-head rows (re-sliced when the weights change)
         self.draft_ids = (load_token_map(self.spec.draft_vocab, model.config.vocab_size).to(dev)
                           if g and self.spec.draft_vocab is not None else None)
@@ -511,7 +511,8 @@ class Engine:
             pos = b.positions.clamp(max=self.cache_len - 1)
             self.hid[sl[:, None], pos] = mtp_in.to(self.hid.dtype)
             self.tok[sl[:, None], pos] = ids
-            self.valid[sl] = 0
+            for r in reqs:
+                self.valid[r.slot] = [0] * (self.gamma + 1)
         proc = self._processors(reqs)
         if proc is not None:
             logits = proc.apply(logits)
@@ -591,32 +592,30 @@ class Engine:
         dev = self.device
         st = self._sampling(reqs)
         mode = self.spec.verify
-        L = torch.tensor([len(r.tokens) for r in reqs], device=dev)
-        sl = self._slots(reqs)
+        slot_l, L_l = [r.slot for r in reqs], [len(r.tokens) for r in reqs]
+        sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
         u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
         # ---- 1. draft (each depth once, extending over its committed positions as it drafts)
-        slot_l = [r.slot for r in reqs]
         proc = self._processors(reqs)
-        drafts, q = self._draft(sl, L, st, g, u[:, :g], slot_l, proc)
-        # ---- 2. verify
-        b = make_batch_index(slot_l, L - 1, torch.full_like(L, g + 1), N=g + 1)
+        drafts, q = self._draft(slot_l, L_l, st, g, u[:, :g], proc)
+        # ---- 2. verify over [x_{L-1}, d_1..d_γ]: the drafts already sit in ``tok`` after x_{L-1}
+        b = make_batch_index(slot_l, [x - 1 for x in L_l], [g + 1] * B, dev, N=g + 1)
         b.keep_states = self._hybrid  # linear-attention states after every position, for the rollback
-        last = self.tok[sl, L - 1]
-        ids = torch.cat([last[:, None], drafts], dim=1)
+        ids = self.tok[sl[:, None], b.positions]
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         self.hid[sl[:, None], b.positions] = mtp_in.to(self.hid.dtype)
         logits = self.model.logits(normed)  # [B, γ+1, V]
         if proc is not None:  # position j follows the drafts d_1..d_j: they count as output there
             logits = torch.stack([proc.apply(logits[:, j], drafts[:, :j]) for j in range(g + 1)], dim=1)
         p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
-        res = verify_chain(p, q, drafts, mode, uniforms=u[:, g:])
+        res = verify_chain(p, q, drafts, "greedy" if st.all_greedy else mode, uniforms=u[:, g:])
         num_acc, nxt = res.num_accepted, res.next_token
         if self._hybrid:  # x_{L-1}, d_1..d_m are committed, the bonus token is not processed yet:
             self.trunk_cache.rollback(sl, num_acc)  # linear-attention state := the one after d_m
-        rows = torch.arange(B, device=dev)
-        emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
-        emitted[rows, num_acc] = nxt
-        self.tok[sl[:, None], L[:, None] + torch.arange(g + 1, device=dev)] = emitted
+        # drafts d_1..d_m stay in ``tok``; the next token goes after them (the rest is scratch)
+        self.tok[sl, b.positions[:, 1] + num_acc] = nxt
+        emitted = torch.cat([drafts, nxt[:, None]], dim=1)
+        emitted[torch.arange(B, device=dev), num_acc] = nxt
         # ---- 3. commit + metrics (one host transfer)
         em_l, m_l = emitted.tolist(), num_acc.tolist()
         for i, r in enumerate(reqs):
@@ -657,53 +656,69 @@ class Engine:
             self._alpha[j] = (self._life_acc[j] + 1.4) / (self._life_reach[j] + 2.0)
 
     @torch.no_grad()
-    def _draft(self, sl: Tensor, L: Tensor, st: SamplingTensors, g: int, u: Tensor,
-               slot_l: Optional[list[int]] = None,
+    def _draft(self, slots, L, st: SamplingTensors, g: int, u: Tensor,
                proc: Optional[LogitProcessors] = None) -> tuple[Tensor, Tensor]:
         """γ drafts per row and the processed draft distributions q [B, γ, V] they came from.
 
         Depth k runs once over positions b_k..L-2 (all rows in one padded batch) and drafts from
-        its output at L-2; see the module docstring."""
-        dev = self.device
-        B = sl.shape[0]
-        rows = torch.arange(B, device=dev)
-        a = self.valid[sl, 1: g + 1]  # [B, γ] first position not yet computed, per depth
-        starts = [a[:, g - 1]]
-        for k in range(g - 1, 0, -1):  # depth k needs depth k-1's outputs from b_k (or its carry at b_k)
-            nxt = starts[0]
-            starts.insert(0, torch.where(a[:, k - 1] <= nxt + 1, a[:, k - 1], nxt))
+        its output at L-2; see the module docstring. ``slots`` and ``L`` (committed tokens per row)
+        are host lists (tensors are accepted): every position and index of the round is worked
+        out on the host, and the device sees one index tensor per gather, as vLLM's and SGLang's
+        CPU-side batch metadata do. Draft d_k is written to ``tok`` at L+k-1 (scratch past the
+        committed tokens), so the next depths and the verify read their ids with one gather."""
+        dev, cl = self.device, self.cache_len
+        slot_l = [int(x) for x in (slots.tolist() if isinstance(slots, Tensor) else slots)]
+        L_l = [int(x) for x in (L.tolist() if isinstance(L, Tensor) else L)]
+        B = len(slot_l)
+        sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
+        # b_k per row: depth k starts at its first uncomputed position, or where depth k+1 must
+        # start (depth k+1 reads depth k's output, or its carry, at its own first position)
+        starts = [[0] * B for _ in range(g)]
+        for i, s in enumerate(slot_l):
+            v = self.valid[s]
+            nxt = v[g]
+            starts[g - 1][i] = nxt
+            for k in range(g - 1, 0, -1):
+                nxt = v[k] if v[k] <= nxt + 1 else nxt
+                starts[k - 1][i] = nxt
         drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
         q_rows = []
-        prev_out = prev_start = None
+        prev_out, prev_start, prev_N = None, None, 0
         old_carry = self.carry[sl]  # a copy: depth k-1's pass moves its carry before depth k reads it
-        greedy = (st.temperature <= 0).to(dev)
+        h = self.hid.shape[-1]
         for k in range(1, g + 1):
             start = starts[k - 1]
-            n = L - 1 - start
-            N = int(n.max())
-            ar = torch.arange(N, device=dev)
-            pos = start[:, None] + ar[None, :]
+            n = [L_l[i] - 1 - start[i] for i in range(B)]
+            N = max(n)
+            # one host-built index tensor per depth: [hidden rows | token ids | last row | carry rows]
+            if k == 1:  # trunk hidden at s (flat index into hid)
+                h_idx = [slot_l[i] * cl + min(start[i] + j, cl - 1) for i in range(B) for j in range(N)]
+            else:  # depth k-1's output at s: its carry (offset 0) or this round's output (offset >= 1)
+                w = prev_N + 1
+                h_idx = [i * w + min(start[i] - prev_start[i] + 1 + j, prev_N) for i in range(B) for j in range(N)]
+            t_idx = [slot_l[i] * cl + min(start[i] + j + k, cl - 1) for i in range(B) for j in range(N)]
+            last = [i * N + n[i] - 1 for i in range(B)]
+            tok_dst = [slot_l[i] * cl + L_l[i] + k - 1 for i in range(B)]  # d_k's scratch place in tok
+            ci = [(i, L_l[i] - 1 - k - start[i]) for i in range(B) if L_l[i] - 1 - k - start[i] >= 0]
+            carry_src = [i * N + c for i, c in ci]
+            carry_dst = [slot_l[i] * (g + 1) + k for i, _ in ci]
+            idx = torch.tensor(h_idx + t_idx + last + tok_dst + carry_src + carry_dst, dtype=torch.long, device=dev)
+            o, c0 = B * N, 2 * B * N + 2 * B
             if k == 1:
-                H = self.hid[sl[:, None], pos.clamp(max=self.cache_len - 1)]
+                H = self.hid.view(-1, h).index_select(0, idx[:o])
             else:
-                P = torch.cat([old_carry[:, k - 1][:, None], prev_out], dim=1)
-                off = (start - prev_start + 1)[:, None] + ar[None, :]
-                H = P[rows[:, None], off.clamp(max=P.shape[1] - 1)]
-            t_idx = pos + k  # x_{s+k}: committed below L, else draft d_{s+k-L+1}
-            committed = self.tok[sl[:, None], t_idx.clamp(max=self.cache_len - 1)]
-            if k > 1:
-                from_draft = drafts[rows[:, None], (t_idx - L[:, None]).clamp(0, g - 1)]
-                ids = torch.where(t_idx < L[:, None], committed, from_draft)
-            else:
-                ids = committed
-            b = make_batch_index(slot_l if slot_l is not None else sl, start, n, N=N)
-            out = self.model.mtp_step(k - 1, H, ids, self.mtp_caches[k - 1], b)
+                P = torch.cat([old_carry[:, k - 1: k], prev_out], dim=1).view(-1, h)
+                H = P.index_select(0, idx[:o])
+            ids = self.tok.view(-1).index_select(0, idx[o: 2 * o]).view(B, N)
+            b = make_batch_index(slot_l, start, n, dev, N=N)
+            out = self.model.mtp_step(k - 1, H.view(B, N, h), ids, self.mtp_caches[k - 1], b)
+            flat = out.view(-1, h)
             # carry = output at the last committed position L-1-k; valid end L-k
-            ci = (L - 1 - k - start)
-            has = ci >= 0
-            self.carry[sl, k] = torch.where(has[:, None], out[rows, ci.clamp(min=0)], self.carry[sl, k])
-            self.valid[sl, k] = (L - k).clamp(min=0)
-            h_last = out[rows, n - 1]
+            if ci:
+                self.carry.view(-1, h).index_copy_(0, idx[c0 + len(ci):], flat.index_select(0, idx[c0: c0 + len(ci)]))
+            for i, s in enumerate(slot_l):
+                self.valid[s][k] = max(L_l[i] - k, 0)
+            h_last = flat.index_select(0, idx[2 * o: 2 * o + B])
             if self.draft_ids is None:
                 zk = self.model.logits(h_last)
                 if proc is not None:  # not needed for exactness (any q is), but raises acceptance
@@ -713,12 +728,15 @@ class Engine:
                 qk = reduced_draft_probs(h_last, self._draft_head(), self.draft_ids, self.model.config.vocab_size,
                                          st, self.sampling_dtype)
             q_rows.append(qk)
-            if self.spec.verify == "rejection":
+            if self.spec.verify == "rejection" and not st.all_greedy:
                 d = sample_with_uniform(qk, u[:, k - 1])
+                if st.any_greedy:
+                    d = torch.where((st.temperature <= 0).to(dev), qk.argmax(-1), d)
             else:
                 d = qk.argmax(-1)
-            drafts[:, k - 1] = torch.where(greedy, qk.argmax(-1), d)
-            prev_out, prev_start = out, start
+            drafts[:, k - 1] = d
+            self.tok.view(-1).index_copy_(0, idx[2 * o + B: c0], d)  # read back as ids by depth k+1 and the verify
+            prev_out, prev_start, prev_N = out, start, N
         return drafts, torch.stack(q_rows, dim=1)
 
     def _draft_head(self) -> Tensor:

@@ -531,21 +531,31 @@ class BatchIndex:
 
 
 def make_batch_index(slots, starts, lengths, device=None, N: Optional[int] = None) -> BatchIndex:
-    """Lists or tensors (on the model's device) of slots, first positions and new tokens per row."""
-    if device is None:
-        device = next((t.device for t in (starts, lengths) if isinstance(t, Tensor)), None)
-    if not isinstance(slots, Tensor):
-        slot_list = [int(x) for x in slots]
-        slots = torch.tensor(slot_list, dtype=torch.long, device=device)
+    """Lists or tensors (on the model's device) of slots, first positions and new tokens per row.
+
+    Host lists are the fast path (the engine's): span, N and the slot range are worked out on the
+    host and the three rows go to the device as one tensor."""
+    if not any(isinstance(t, Tensor) for t in (slots, starts, lengths)):
+        slot_list, start_l, len_l = [int(x) for x in slots], [int(x) for x in starts], [int(x) for x in lengths]
+        meta = torch.tensor([slot_list, start_l, len_l], dtype=torch.long, device=device)
+        slots, start, lens = meta[0], meta[1], meta[2]
+        N = max(len_l) if N is None else N
+        span = max(s + n for s, n in zip(start_l, len_l))
     else:
-        slot_list = None
-        device = slots.device
-    start = starts if isinstance(starts, Tensor) else torch.tensor(starts, dtype=torch.long, device=device)
-    lens = lengths if isinstance(lengths, Tensor) else torch.tensor(lengths, dtype=torch.long, device=device)
-    if N is None:
-        N = int(lens.max())
+        if device is None:
+            device = next((t.device for t in (slots, starts, lengths) if isinstance(t, Tensor)), None)
+        if not isinstance(slots, Tensor):
+            slot_list = [int(x) for x in slots]
+            slots = torch.tensor(slot_list, dtype=torch.long, device=device)
+        else:
+            slot_list = None
+            device = slots.device
+        start = starts if isinstance(starts, Tensor) else torch.tensor(starts, dtype=torch.long, device=device)
+        lens = lengths if isinstance(lengths, Tensor) else torch.tensor(lengths, dtype=torch.long, device=device)
+        if N is None:
+            N = int(lens.max())
+        span = int((start + lens).max())
     positions = start[:, None] + torch.arange(N, device=device)[None, :]
-    span = int((start + lens).max())
     keys = torch.arange(span, device=device)
     mask = keys[None, None, :] <= positions[:, :, None]  # causal within the slot
     rng = None
@@ -654,9 +664,11 @@ class CausalLMWithMTP(nn.Module):
     def has_mtp(self) -> bool:
         return len(self.mtp) > 0
 
-    def _rope(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin [B, N, 1, hd] from a table precomputed (in float64, then cast) per dtype/device."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
+    def _rope(self, positions: Tensor, dtype, need: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """cos/sin [B, N, 1, hd] from a table precomputed (in float64, then cast) per dtype/device;
+        ``need`` (table rows, e.g. a BatchIndex's padded span) saves reading max(positions)."""
+        if need is None:
+            need = int(positions.max()) + 1 if positions.numel() else 1
         key = (dtype, positions.device)
         tab = self._rope_tables.get(key)
         if tab is None or tab[0].shape[0] < need:
@@ -686,7 +698,7 @@ class CausalLMWithMTP(nn.Module):
     def trunk(self, ids: Tensor, cache: KVCache, b: BatchIndex) -> tuple[Tensor, Tensor]:
         """Returns (normed hidden, hidden fed to MTP) [B, N, h]."""
         x = self.embed_tokens(ids)
-        cos, sin = self._rope(b.positions, x.dtype)
+        cos, sin = self._rope(b.positions, x.dtype, b.span + b.positions.shape[1])
         for layer, lc in zip(self.layers, cache.layers):
             x = layer(x, cos, sin, lc, b)
         normed = self.norm(x)
@@ -698,7 +710,7 @@ class CausalLMWithMTP(nn.Module):
         m = self.mtp[depth % len(self.mtp)]
         e = m.enorm(self.embed_tokens(ids))
         x = m.eh_proj(torch.cat([e, m.hnorm(hidden)], dim=-1))
-        cos, sin = self._rope(b.positions, x.dtype)
+        cos, sin = self._rope(b.positions, x.dtype, b.span + b.positions.shape[1])
         for layer, lc in zip(m.layers, cache.layers):
             x = layer(x, cos, sin, lc, b)
         return m.final_norm(x)

@@ -33,7 +33,7 @@ their floating-point rounding; the statistical tests run on both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -45,26 +45,44 @@ VERIFY_MODES = ("rejection", "target_only", "greedy")
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters as tensors (temperature 0 means greedy)."""
+    """Per-row sampling parameters as tensors (temperature 0 means greedy), with host-side flags.
+
+    The flags (vLLM's SamplingMetadata idiom: ``all_greedy``, ``no_top_p``...) are read off the
+    request parameters once per round, so ``process_logits`` skips the stages no row uses without
+    asking the device (each ``bool(t.any())`` is an op and, on an accelerator, a sync)."""
 
     temperature: Tensor  # [B] float
     top_k: Tensor  # [B] long, <= 0: off
     top_p: Tensor  # [B] float in (0, 1]
     min_p: Tensor  # [B] float in [0, 1)
+    any_greedy: bool = True  # host flags; the defaults (every stage on) are always correct
+    all_greedy: bool = False
+    all_unit_temperature: bool = False
+    any_top_k: bool = True
+    any_top_p: bool = True
+    any_min_p: bool = True
 
     @classmethod
     def build(cls, params: Sequence, device=None) -> "SamplingTensors":
+        temp = [float(p.temperature) for p in params]
+        top_k, top_p, min_p = [int(p.top_k) for p in params], [float(p.top_p) for p in params], \
+            [float(p.min_p) for p in params]
         return cls(
-            temperature=torch.tensor([float(p.temperature) for p in params], dtype=torch.float64, device=device),
-            top_k=torch.tensor([int(p.top_k) for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float64, device=device),
-            min_p=torch.tensor([float(p.min_p) for p in params], dtype=torch.float64, device=device),
-        )
+            temperature=torch.tensor(temp, dtype=torch.float64, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float64, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float64, device=device),
+            any_greedy=any(t <= 0 for t in temp), all_greedy=bool(temp) and all(t <= 0 for t in temp),
+            all_unit_temperature=all(t == 1.0 or t <= 0 for t in temp),
+            any_top_k=any(k > 0 for k in top_k), any_top_p=any(x < 1 for x in top_p),
+            any_min_p=any(x > 0 for x in min_p))
 
     def expand(self, n: int) -> "SamplingTensors":
-        """Repeat each row n times (row-major), for [B, n, V] flattened to [B*n, V]."""
-        return SamplingTensors(*(t.repeat_interleave(n) for t in
-                                 (self.temperature, self.top_k, self.top_p, self.min_p)))
+        """Repeat each row n times (row-major), for [B, n, V] flattened to [B*n, V]. Only the
+        fields of stages some row uses are expanded: the others are never read."""
+        used = {"temperature": self.any_greedy or not self.all_unit_temperature, "top_k": self.any_top_k,
+                "top_p": self.any_top_p, "min_p": self.any_min_p}
+        return replace(self, **{f: getattr(self, f).repeat_interleave(n) for f, on in used.items() if on})
 
 
 def process_logits(logits: Tensor, st: SamplingTensors, dtype=torch.float64) -> Tensor:
@@ -72,31 +90,40 @@ def process_logits(logits: Tensor, st: SamplingTensors, dtype=torch.float64) -> 
 
     Temperature scales, then top-k, top-p (smallest set with mass >= top_p, the top token always
     kept) and min-p (keep p >= min_p * max p) truncate; rows with temperature 0 become one-hot
-    on the argmax (ties: lowest id, as torch.argmax).
+    on the argmax (ties: lowest id, as torch.argmax). Stages no row uses are skipped (host flags).
     """
+    if st.all_greedy:
+        return torch.zeros(logits.shape, dtype=dtype, device=logits.device).scatter_(
+            -1, logits.argmax(-1, keepdim=True), 1.0)
     z = logits.to(dtype)
-    greedy = st.temperature <= 0
-    t = torch.where(greedy, torch.ones_like(st.temperature), st.temperature).to(device=z.device, dtype=dtype)
-    z = z / t.unsqueeze(-1)
+    greedy = st.temperature <= 0 if st.any_greedy else None
+    if not st.all_unit_temperature:
+        t = st.temperature if greedy is None else torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+        z = z / t.to(device=z.device, dtype=dtype).unsqueeze(-1)
     V = z.shape[-1]
-    top_k = st.top_k.to(z.device)
-    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
-    if bool((k < V).any()):
-        kth = torch.sort(z, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
-        z = z.masked_fill(z < kth, float("-inf"))
+    truncated = False
+    if st.any_top_k:
+        top_k = st.top_k.to(z.device)
+        k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+        if bool((k < V).any()):
+            kth = torch.sort(z, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+            z = z.masked_fill(z < kth, float("-inf"))
     probs = torch.softmax(z, dim=-1)
-    if bool((st.top_p < 1).any()):
+    if st.any_top_p:
         sp, idx = torch.sort(probs, dim=-1, descending=True)
         cum_before = sp.cumsum(-1) - sp
         drop_sorted = cum_before >= st.top_p.to(device=z.device, dtype=dtype).unsqueeze(-1)
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    if bool((st.min_p > 0).any()):
+        truncated = True
+    if st.any_min_p:
         thresh = probs.max(-1, keepdim=True).values * st.min_p.to(device=z.device, dtype=dtype).unsqueeze(-1)
         probs = probs.masked_fill(probs < thresh, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
-    if bool(greedy.any()):
+        truncated = True
+    if truncated:
+        probs = probs / probs.sum(-1, keepdim=True)
+    if greedy is not None:
         onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.to(z.device).unsqueeze(-1), onehot, probs)
     return probs
