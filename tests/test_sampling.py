@@ -180,6 +180,27 @@ def test_seeded_and_batch_equals_per_request():
         assert verify_chain(P, Q, d2, mode, gs2).emitted(d2) == batch
 
 
+
+def test_sampling_flags_skip_only_unused_stages():
+    """The host flags (vLLM's all_greedy / no_top_p idiom) only skip stages no row uses: for mixed
+    and uniform batches, flagged processing equals running every stage, also after expand()."""
+    from dataclasses import replace
+
+    base = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}
+    batches = [[{}, {}], [{"temperature": 0.0}] * 3, [{"temperature": 0.7}, {}],
+               [{"top_k": 3}, {"temperature": 0.0}, {"top_p": 0.8}, {"min_p": 0.2, "temperature": 1.3}]]
+    torch.manual_seed(0)
+    for rows in batches:
+        st = SamplingTensors.build([SimpleNamespace(**{**base, **kw}) for kw in rows])
+        every = replace(st, any_greedy=True, all_greedy=False, all_unit_temperature=False, any_top_k=True,
+                        any_top_p=True, any_min_p=True)
+        logits = torch.randn(len(rows), 11) * 3
+        assert torch.allclose(process_logits(logits, st), process_logits(logits, every), atol=1e-12), rows
+        rep = logits.repeat_interleave(3, dim=0)
+        assert torch.allclose(process_logits(rep, st.expand(3)), process_logits(rep, every.expand(3)), atol=1e-12)
+    assert SamplingTensors.build([SimpleNamespace(**{**base, "temperature": 0.0})] * 2).all_greedy
+    assert not SamplingTensors.build([SimpleNamespace(**base)]).any_top_p
+
 def test_process_logits_filters():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
     mk = lambda **kw: SamplingTensors.build([SimpleNamespace(**{"temperature": 1.0, "top_k": -1, "top_p": 1.0,
