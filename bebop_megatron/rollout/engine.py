@@ -50,9 +50,12 @@ not those that also catch the MTP depths up over positions decoded plainly or ju
 costs as ratios to the plain cost of their time, so a machine whose load drifts does not tilt it) and
 picks the γ that maximises expected tokens per second, E[tokens | γ] = 1 + Σ_{j≤γ} Π_{i≤j} α_i with
 the running per-depth acceptance α_i. γ > 0 is chosen only when its predicted gain exceeds
-``ADAPTIVE_MARGIN``. While speculating, one round in ``ADAPTIVE_REMEASURE`` re-measures another γ.
-While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a two-round
-probe at intervals doubling up to ``ADAPTIVE_PROBE_MAX`` rounds.
+``ADAPTIVE_MARGIN``. While speculating, every ``ADAPTIVE_REMEASURE`` rounds another γ is re-measured
+(``ADAPTIVE_SAMPLES`` fresh rounds that replace its old costs).
+While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
+catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
+measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
+``ADAPTIVE_PROBE_MAX`` rounds.
 
 Acceptance metric (one definition, everywhere):
   * a draft is *proposed* only if it could still be emitted: drafts past an accepted stop token
@@ -417,9 +420,9 @@ class Engine:
     ADAPTIVE_MARGIN = 0.10  # speculate only if the predicted tokens/s beat plain by more than this (switching
     # from plain also pays a catch-up round, which the steady costs leave out)
     ADAPTIVE_SAMPLES = 3  # steady rounds measured per (bucket, γ) before choosing
-    ADAPTIVE_REMEASURE = 32  # while speculating, every N-th round re-measures another γ
+    ADAPTIVE_REMEASURE = 32  # while speculating, every N-th round starts re-measuring another γ
     ADAPTIVE_PROBE_MAX = 1024  # while plain wins, the probe interval doubles from REMEASURE up to this
-    ADAPTIVE_PROBE_ROUNDS = 2  # a probe: one catch-up round, then one steady, measured round
+    ADAPTIVE_PROBE_ROUNDS = 1 + ADAPTIVE_SAMPLES  # a probe from plain: one catch-up round, then fresh samples
 
     def _choose_gamma(self, B: int) -> int:
         """γ for this round. Measure every γ at this batch bucket, then run the γ with the best
@@ -450,7 +453,7 @@ class Engine:
             due, interval = self._probe_at.get(bk, (self._rounds + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
             if self._rounds >= due:  # probe the most promising γ > 0 (costs and acceptance drift)
                 best = max(range(1, g + 1), key=score.get)
-                self._probe_gamma, self._probe_left = best, self.ADAPTIVE_PROBE_ROUNDS - 1
+                self._remeasure(bk, best)
                 interval = min(2 * interval, self.ADAPTIVE_PROBE_MAX)
                 due = self._rounds + interval
             self._probe_at[bk] = (due, interval)
@@ -459,8 +462,17 @@ class Engine:
             if self._rounds % self.ADAPTIVE_REMEASURE == 0:  # re-measure the others in turn (costs drift)
                 others = [c for c in range(g + 1) if c != best]
                 best = others[(self._rounds // self.ADAPTIVE_REMEASURE) % len(others)]
+                self._remeasure(bk, best)
         self.last_gamma = best
         return best
+
+    def _remeasure(self, bk: int, cand: int) -> None:
+        """Run γ = ``cand`` for fresh steady samples (after a catch-up round if its depths lag) that
+        replace its old ones: otherwise costs measured in a noisy patch of a shared machine outvote
+        the one new sample of each visit, and a choice made in that patch sticks."""
+        self._cost_samples.pop((bk, cand), None)
+        catch_up = 1 if cand > self._current_depths else 0
+        self._probe_gamma, self._probe_left = cand, catch_up + self.ADAPTIVE_SAMPLES - 1
 
     def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True) -> None:
         """Keep the recent steady costs of a round; the first of each (bucket, γ) is a warm-up
