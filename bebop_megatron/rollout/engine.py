@@ -55,7 +55,8 @@ the running per-depth acceptance α_i. γ > 0 is chosen only when its predicted 
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
-``ADAPTIVE_PROBE_MAX`` rounds.
+``ADAPTIVE_PROBE_MAX`` rounds, and never closer than what the last probe lost against plain (its
+catch-up and steady rounds' costs minus the tokens they yield) over ``ADAPTIVE_PROBE_BUDGET``.
 
 Acceptance metric (one definition, everywhere):
   * a draft is *proposed* only if it could still be emitted: drafts past an accepted stop token
@@ -74,6 +75,7 @@ Acceptance metric (one definition, everywhere):
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import statistics
 import threading
@@ -279,6 +281,7 @@ class Engine:
         self._current_depths = 0  # MTP depths 1..n are current for every decoding request
         self._probe_at: dict[int, tuple[int, int]] = {}
         self._probe_left, self._probe_gamma = 0, 0
+        self._catchup_cost: dict[int, float] = {}  # per bucket: the last catch-up round's cost / plain cost
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
@@ -385,7 +388,9 @@ class Engine:
                     self.gamma_hist[gamma] += 1  # rounds run at each γ (fixed γ too)
                     if self.spec.adaptive:
                         self._record_cost(len(decoding), gamma, self._clock() - t0, steady)
-                self._current_depths = 0 if admitted else gamma  # admitted requests join next round
+                self._current_depths = gamma
+            if admitted:  # prefilled requests join the next round with no MTP depth computed yet
+                self._current_depths = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False) -> list[Request]:
@@ -423,6 +428,7 @@ class Engine:
     ADAPTIVE_REMEASURE = 32  # while speculating, every N-th round starts re-measuring another γ
     ADAPTIVE_PROBE_MAX = 1024  # while plain wins, the probe interval doubles from REMEASURE up to this
     ADAPTIVE_PROBE_ROUNDS = 1 + ADAPTIVE_SAMPLES  # a probe from plain: one catch-up round, then fresh samples
+    ADAPTIVE_PROBE_BUDGET = 0.03  # probes may lose at most this share of the plain rounds between them
 
     def _choose_gamma(self, B: int) -> int:
         """γ for this round. Measure every γ at this batch bucket, then run the γ with the best
@@ -453,8 +459,14 @@ class Engine:
             due, interval = self._probe_at.get(bk, (self._rounds + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
             if self._rounds >= due:  # probe the most promising γ > 0 (costs and acceptance drift)
                 best = max(range(1, g + 1), key=score.get)
+                # what a probe loses against plain, in plain rounds: its catch-up round and its steady
+                # rounds each cost their ratio and yield E[tokens]; the next one waits until that is
+                # at most ADAPTIVE_PROBE_BUDGET of the plain rounds in between
+                e, ratio = self.expected_tokens(best), statistics.median(self._cost_samples[(bk, best)])
+                loss = (max(0.0, self._catchup_cost.get(bk, ratio) - e)
+                        + self.ADAPTIVE_SAMPLES * max(0.0, ratio - e))
                 self._remeasure(bk, best)
-                interval = min(2 * interval, self.ADAPTIVE_PROBE_MAX)
+                interval = min(max(2 * interval, math.ceil(loss / self.ADAPTIVE_PROBE_BUDGET)), self.ADAPTIVE_PROBE_MAX)
                 due = self._rounds + interval
             self._probe_at[bk] = (due, interval)
         else:
@@ -478,9 +490,13 @@ class Engine:
         """Keep the recent steady costs of a round; the first of each (bucket, γ) is a warm-up
         (first shapes) and is dropped. A γ > 0 cost is kept as a ratio to the plain cost measured
         around the same time, so that a machine that gets busier or quieter while the engine
-        speculates (or decodes plainly) does not tilt the choice: only ratios are compared."""
+        speculates (or decodes plainly) does not tilt the choice: only ratios are compared.
+        A catch-up round's cost (as a ratio) is kept apart: it prices the next probe."""
         key = (self._bucket(B), gamma)
         if not steady:
+            plain = self._cost_samples.get((key[0], 0))
+            if gamma and plain:
+                self._catchup_cost[key[0]] = seconds / statistics.median(plain)
             return
         if key not in self._cost_warm:
             self._cost_warm.add(key)
