@@ -621,7 +621,7 @@ class Engine:
         st = self._sampling(reqs)
         mode = self.spec.verify
         slot_l, L_l = [r.slot for r in reqs], [len(r.tokens) for r in reqs]
-        sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
+        sl = self._slots(reqs)
         u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
         # ---- 1. draft (each depth once, extending over its committed positions as it drafts)
         proc = self._processors(reqs)
@@ -731,22 +731,22 @@ class Engine:
             carry_src = [i * N + c for i, c in ci]
             carry_dst = [slot_l[i] * (g + 1) + k for i, _ in ci]
             idx = torch.tensor(h_idx + t_idx + last + tok_dst + carry_src + carry_dst, dtype=torch.long, device=dev)
-            o, c0 = B * N, 2 * B * N + 2 * B
+            h_i, t_i, last_i, tok_i, csrc_i, cdst_i = idx.split([B * N, B * N, B, B, len(ci), len(ci)])
             if k == 1:
-                H = self.hid.view(-1, h).index_select(0, idx[:o])
+                H = self.hid.view(-1, h).index_select(0, h_i)
             else:
                 P = torch.cat([old_carry[:, k - 1: k], prev_out], dim=1).view(-1, h)
-                H = P.index_select(0, idx[:o])
-            ids = self.tok.view(-1).index_select(0, idx[o: 2 * o]).view(B, N)
+                H = P.index_select(0, h_i)
+            ids = self.tok.view(-1).index_select(0, t_i).view(B, N)
             b = make_batch_index(slot_l, start, n, dev, N=N)
             out = self.model.mtp_step(k - 1, H.view(B, N, h), ids, self.mtp_caches[k - 1], b)
             flat = out.view(-1, h)
             # carry = output at the last committed position L-1-k; valid end L-k
             if ci:
-                self.carry.view(-1, h).index_copy_(0, idx[c0 + len(ci):], flat.index_select(0, idx[c0: c0 + len(ci)]))
+                self.carry.view(-1, h).index_copy_(0, cdst_i, flat.index_select(0, csrc_i))
             for i, s in enumerate(slot_l):
                 self.valid[s][k] = max(L_l[i] - k, 0)
-            h_last = flat.index_select(0, idx[2 * o: 2 * o + B])
+            h_last = flat.index_select(0, last_i)
             if self.draft_ids is None:
                 zk = self.model.logits(h_last)
                 if proc is not None:  # not needed for exactness (any q is), but raises acceptance
@@ -763,7 +763,7 @@ class Engine:
             else:
                 d = qk.argmax(-1)
             drafts[:, k - 1] = d
-            self.tok.view(-1).index_copy_(0, idx[2 * o + B: c0], d)  # read back as ids by depth k+1 and the verify
+            self.tok.view(-1).index_copy_(0, tok_i, d)  # read back as ids by depth k+1 and the verify
             prev_out, prev_start, prev_N = out, start, N
         return drafts, torch.stack(q_rows, dim=1)
 
