@@ -92,6 +92,14 @@ def _local_worker(fn, rank, world_size, port, args, queue, environ=None):
         destroy_distributed()
 
 
+def worker_start_method() -> str:
+    """``forkserver`` on CPU machines; ``spawn`` where CUDA is available. A process forked after CUDA
+    was initialised cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess"), and importing
+    the preloaded modules (megatron-core) may initialise it in the forkserver itself: seen on an H200
+    with tools/gpu_check.py. Spawn's ~6 s of imports per rank is small next to GPU work."""
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
 def run_local_workers(fn, world_size: int, *args, timeout: float = 3600.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes (env:// on a free
     loopback port, as torchrun would set up) and return each rank's result; raises with every
@@ -99,13 +107,16 @@ def run_local_workers(fn, world_size: int, *args, timeout: float = 3600.0) -> li
 
     Workers come from a forkserver that has imported torch and megatron-core once: each call then
     forks in well under a second instead of paying ~6 s of imports per rank, as spawn would. The
-    server is single-threaded, so forking it is safe; each worker gets the caller's environment."""
+    server is single-threaded, so forking it is safe; each worker gets the caller's environment.
+    On a machine with CUDA, workers are spawned instead (see ``worker_start_method``)."""
     import queue as queue_mod
 
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_WORKER_PRELOAD)
+    method = worker_start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_WORKER_PRELOAD)
     q = ctx.Queue()
     port = free_port()
     env = dict(os.environ)

@@ -49,3 +49,17 @@ def test_worker_that_dies_without_a_result_fails_fast():
     with pytest.raises(RuntimeError, match=r"rank 1 \(exit code 3\)"):
         run_local_workers(_die, 2, timeout=600)
     assert time.monotonic() - t0 < 60  # not the 600 s timeout
+
+
+def test_workers_are_spawned_where_cuda_is_available(monkeypatch):
+    # A forkserver child of a CUDA-initialised server cannot use CUDA (seen on an H200); with CUDA
+    # present the workers are spawned, and the spawn path runs end to end (here on CPU).
+    import bebop_megatron.parallel as par
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert par.worker_start_method() == "forkserver"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert par.worker_start_method() == "spawn"
+    monkeypatch.setattr(par, "worker_start_method", lambda: "spawn")
+    out = run_local_workers(_tensor_result, 1, 3, timeout=300)
+    assert torch.equal(out[0]["t"], torch.arange(3, dtype=torch.float32))
