@@ -113,12 +113,13 @@ class EngineVariant:
 
 
 class HFVariant:
-    def __init__(self, path, new_tokens: int, temperature: float, assisted: bool, batch: int):
+    def __init__(self, path, new_tokens: int, temperature: float, assisted: bool, batch: int, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # the MTP tensors are "unexpected" to transformers: expected
-        self.model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(path)).to(device).eval()
+        self.device = device
         self.kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0, pad_token_id=0)
         if temperature > 0:
             self.kw["temperature"] = temperature
@@ -133,13 +134,13 @@ class HFVariant:
         with torch.no_grad():
             if self.assisted:  # assisted generation is batch-size 1 in transformers
                 for p in ps:
-                    out = self.model.generate(torch.tensor([p]), **self.kw)
+                    out = self.model.generate(torch.tensor([p], device=self.device), **self.kw)
                     toks += out.shape[1] - len(p)
             else:
                 n = max(len(p) for p in ps)
                 ids = torch.tensor([[0] * (n - len(p)) + p for p in ps])
                 mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in ps])
-                out = self.model.generate(ids, attention_mask=mask, **self.kw)
+                out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), **self.kw)
                 toks = (out.shape[1] - n) * len(ps)
         return {"tokens": toks, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}
 
@@ -180,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the model and the engine run (cpu, cuda, cuda:1)")
     ap.add_argument("--gamma", type=int, default=None, help="drafts per step (default: the model's MTP depth)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--skip-hf", action="store_true", help="drop the hf_* variants")
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
     if args.model_path and args.run_dir:
         ap.error("--model-path and --run-dir are exclusive")
     path = Path(args.model_path) if args.model_path else default_model(Path(args.run_dir or DEFAULT_RUN))
-    model = CausalLMWithMTP.from_pretrained(path)
+    model = CausalLMWithMTP.from_pretrained(path).to(args.device)
     gamma = args.gamma or max(int(json.loads((path / "config.json").read_text()).get("bebop_mtp_draft_steps", 0)
                                   or len(model.mtp)), 1)
     variants = [v for v in args.variants if not (args.skip_hf and v.startswith("hf_"))]
@@ -223,7 +225,8 @@ def main(argv=None) -> int:
                 if v in specs:
                     runners[v] = EngineVariant(model, specs[v], b, args.max_new_tokens, args.temperature, max_len)
                 else:
-                    runners[v] = HFVariant(path, args.max_new_tokens, args.temperature, v == "hf_assisted", b)
+                    runners[v] = HFVariant(path, args.max_new_tokens, args.temperature, v == "hf_assisted", b,
+                                           args.device)
                 runners[v].run(ps)  # warm-up (and, for adaptive, its first cost measurements)
                 if v == "adaptive":
                     runners[v].run(ps)
@@ -251,7 +254,7 @@ def main(argv=None) -> int:
 
 def _print(rows, path, gamma, args) -> None:
     print(f"\nmodel: {path}  γ≤{gamma}  batch={rows[0]['batch']}  new tokens={args.max_new_tokens}  "
-          f"T={args.temperature}  threads={torch.get_num_threads()}  median of {args.reps} interleaved reps")
+          f"T={args.temperature}  device={args.device}  threads={torch.get_num_threads()}  median of {args.reps} interleaved reps")
     print(f"{'variant':20s} {'tok/s':>8s} {'vs plain':>8s} {'cpu vs':>7s} {'tok/verify':>10s} {'bound':>6s} "
           f"{'alpha':>6s} {'acc rate':>8s} {'mean γ':>6s}")
     f = lambda x, w, p=3: f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else " " * w
