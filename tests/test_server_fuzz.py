@@ -117,19 +117,19 @@ def test_fuzz_server(target, path, payload, raw):
     s, _ = target
     headers = {"content-type": "application/json"}
     if raw is not None and (len(raw) % 3 == 0 or len(raw) > 60):  # broken, arbitrary, deep or huge-number bytes
-        resp = httpx.post(s.url + path, content=raw, headers=headers, timeout=60)
+        resp = s.client.post(s.url + path, content=raw, headers=headers, timeout=60)
         _check(resp, False)
         return
     if path == "/get_server_info":
-        _check(httpx.get(s.url + path, timeout=60), False)
+        _check(s.client.get(s.url + path, timeout=60), False)
         return
     if path == "/pause_generation":  # keep the server usable: pause and continue at once
-        _check(httpx.post(s.url + path, json={"mode": random.choice(["abort", "retract", "in_place", "x"])},
+        _check(s.client.post(s.url + path, json={"mode": random.choice(["abort", "retract", "in_place", "x"])},
                           timeout=60), False)
-        _check(httpx.post(s.url + "/continue_generation", json={}, timeout=60), False)
+        _check(s.client.post(s.url + "/continue_generation", json={}, timeout=60), False)
         return
     try:
-        resp = httpx.post(s.url + path, content=json.dumps(payload, allow_nan=True), headers=headers, timeout=60)
+        resp = s.client.post(s.url + path, content=json.dumps(payload, allow_nan=True), headers=headers, timeout=60)
     except httpx.ReadTimeout:
         raise AssertionError(f"server hung on {path} {payload!r}")
     _check(resp, path == "/generate" and payload.get("stream") is True)
@@ -146,7 +146,7 @@ def test_concurrent_aborts_and_weight_updates_during_generation(target):
     def client(i):
         for j in range(6):
             try:
-                r = httpx.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "rid": f"c{i}-{j}",
+                r = s.client.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "rid": f"c{i}-{j}",
                                                           "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}},
                                timeout=60)
                 TALLY["requests"] += 1
@@ -157,10 +157,10 @@ def test_concurrent_aborts_and_weight_updates_during_generation(target):
 
     def chaos():
         for j in range(10):
-            for r in (httpx.post(s.url + "/abort_request", json={"rid": f"c{j % 6}-{j % 6}"}, timeout=60),
-                      httpx.post(s.url + "/update_weights_from_tensor",
+            for r in (s.client.post(s.url + "/abort_request", json={"rid": f"c{j % 6}-{j % 6}"}, timeout=60),
+                      s.client.post(s.url + "/update_weights_from_tensor",
                                  json={"serialized_named_tensors": [payload], "weight_version": f"w{j}"}, timeout=60),
-                      httpx.post(s.url + "/abort_request", json={"abort_all": True}, timeout=60)):
+                      s.client.post(s.url + "/abort_request", json={"abort_all": True}, timeout=60)):
                 TALLY["requests"] += 1
                 if r.status_code != 200:
                     errors.append(r.text[:300])
@@ -176,7 +176,7 @@ def test_concurrent_aborts_and_weight_updates_during_generation(target):
 def test_server_survives_and_still_answers_correctly(target):
     s, d = target
     assert s.alive()
-    r = httpx.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 12,
+    r = s.client.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 12,
                                                                                           "temperature": 0}}, timeout=60)
     assert r.status_code == 200, r.text
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
@@ -205,15 +205,15 @@ def test_hostile_cases_answer_4xx_never_500(target, tmp_path):
     lt = _load_tool()
     lt.prepare_odd_dirs(tmp_path)
     for method, path, raw in lt.hostile_cases(tmp_path):
-        r = httpx.request(method, s.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+        r = s.client.request(method, s.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
         TALLY["requests"] += 1
         assert 400 <= r.status_code < 500, (path, raw[:120], r.status_code, r.text[:300])
         assert "error" in r.json()
     # a body beyond the 16 MiB limit: refused before it is parsed (announced or chunked)
     big = b'{"input_ids":[' + b"1," * (9 << 20) + b"1]}"
-    r = httpx.post(s.url + "/generate", content=big, headers={"content-type": "application/json"}, timeout=60)
+    r = s.client.post(s.url + "/generate", content=big, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413, r.text[:200]
-    r = httpx.post(s.url + "/generate", content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+    r = s.client.post(s.url + "/generate", content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413, r.text[:200]
     TALLY["requests"] += 2
@@ -236,7 +236,7 @@ def test_bad_requests_fail_alone_good_ones_finish(target):
                           min_new_tokens=5, stop_regex="^never$")
             body = {"input_ids": [5, 6, 7], "stream": stream, "sampling_params": sp}
             try:
-                r = httpx.post(s.url + "/generate", json=body, timeout=120)
+                r = s.client.post(s.url + "/generate", json=body, timeout=120)
                 if stream:
                     lines = [l[6:] for l in r.text.splitlines() if l.startswith("data: ")]
                     assert lines[-1] == "[DONE]", lines[-2:]
@@ -256,7 +256,7 @@ def test_bad_requests_fail_alone_good_ones_finish(target):
     def bad_client():
         for k in range(2):
             for sp in bad_sps:
-                r = httpx.post(s.url + "/generate", json={"input_ids": [5, 6], "sampling_params": sp}, timeout=60)
+                r = s.client.post(s.url + "/generate", json={"input_ids": [5, 6], "sampling_params": sp}, timeout=60)
                 bad.append(r.status_code)
 
     threads = [threading.Thread(target=good_client, args=(i,)) for i in range(4)] + \
@@ -270,14 +270,14 @@ def test_bad_requests_fail_alone_good_ones_finish(target):
     assert good and all(g == ("length", 40) for g in good), good
     assert bad and all(c == 400 for c in bad), sorted(set(bad))
     # temperatures below SGLang's epsilon are greedy
-    greedy = httpx.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+    greedy = s.client.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
         "max_new_tokens": 12, "temperature": 0}}, timeout=60).json()["output_ids"]
     for t in (1e-320, 5e-324, 1e-7):
-        r = httpx.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+        r = s.client.post(s.url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
             "max_new_tokens": 12, "temperature": t}}, timeout=60)
         assert r.status_code == 200 and r.json()["output_ids"] == greedy, (t, r.text[:200])
     # a top_k beyond the vocabulary (but within int64) means "all tokens", as SGLang's TOP_K_ALL
-    r = httpx.post(s.url + "/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3,
+    r = s.client.post(s.url + "/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3,
                                                                                     "top_k": 2**62}}, timeout=60)
     assert r.status_code == 200, r.text
 
@@ -292,7 +292,7 @@ def test_concurrent_streams_always_end_with_the_final_event(target):
         for j in range(2):
             body = {"input_ids": [5 + i % 7, 6], "stream": True,
                     "sampling_params": {"max_new_tokens": 9 + j, "ignore_eos": True}}
-            lines = [l[6:] for l in httpx.post(s.url + "/generate", json=body, timeout=120).text.splitlines()
+            lines = [l[6:] for l in s.client.post(s.url + "/generate", json=body, timeout=120).text.splitlines()
                      if l.startswith("data: ")]
             if len(lines) < 2 or lines[-1] != "[DONE]":
                 problems.append(lines[-2:])
