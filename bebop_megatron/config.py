@@ -288,6 +288,10 @@ class RLConfig:
     api_key: Optional[str] = None
     speculative: bool = True  # MTP speculative decoding in the rollout servers (γ = model.mtp_num_layers)
     verify: str = "rejection"  # rejection | target_only
+    # bebop serve only (SGLang servers keep a fixed γ): choose γ per round from measured costs, so that
+    # speculation never slows a large batch and still pays in its tail; off by default so that every
+    # round verifies drafts and the acceptance metrics cover the whole batch
+    adaptive_gamma: bool = False
     # tensor (update_weights_from_tensor) | disk (shared file system) | distributed
     # (init_weights_update_group + update_weights_from_distributed: NCCL on GPUs, gloo on CPUs)
     weight_sync: str = "tensor"

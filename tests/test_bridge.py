@@ -31,9 +31,10 @@ def test_parse_spec_metrics_every_spelling():
                  ("spec_accept_token_num", "spec_draft_token_num")]:
         st = parse_spec_metrics({**base, a: 20, p: 30})
         assert (st.accepted, st.proposed, st.verify_ct) == (20, 30, 10)
-        assert abs(st.accept_rate - 2 / 3) < 1e-12 and st.tokens_per_verify == 3.0
+        # tokens per verify: tokens emitted by verify steps (all but the prefill's) / verify steps
+        assert abs(st.accept_rate - 2 / 3) < 1e-12 and st.tokens_per_verify == 2.9
     legacy = parse_spec_metrics({**base, "spec_accept_length": 3.0})
-    assert legacy.accepted == 20 and legacy.proposed == 0
+    assert legacy.accepted == 19 and legacy.proposed == 0
     assert parse_spec_metrics({"completion_tokens": 5}).verify_ct == 0
 
 

@@ -565,3 +565,35 @@ def test_stop_regex_trims_and_a_pathological_pattern_aborts_alone(qwen3_dir):
     assert good.output_ids == free.output_ids[:8] and good.finish_reason["type"] == "length"
     with pytest.raises(RequestError, match="stop_regex"):
         eng.add_request([1], SamplingParams(stop_regex=["("]))
+
+
+def test_serve_speculative_adaptive_reports_which_tokens_were_verified(qwen3_dir):
+    """`bebop serve --speculative-adaptive`: the engine chooses γ per round, and each response says how
+    its tokens came: verify steps + plain rounds + the prefill's token = all of them, and Σγ over its
+    verify steps (what `bebop rl` turns into spec/tokens_per_verify and spec/mean_gamma)."""
+    import argparse
+
+    from bebop_megatron.rollout.protocol import parse_spec_metrics
+    from bebop_megatron.rollout.server import add_serve_args, build_server
+
+    d, _ = qwen3_dir
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    server = build_server(p.parse_args(["--model-path", str(d), "--tokenizer", "char", "--speculative-algorithm",
+                                        "NEXTN", "--speculative-num-steps", "3", "--max-running-requests", "4",
+                                        "--context-length", "96", "--speculative-adaptive"]))
+    try:
+        eng = server.engine
+        assert eng.spec.adaptive and eng.gamma == 3
+        # the first rounds at a batch size measure plain and every γ: both kinds of round occur
+        reqs = eng.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13]],
+                            SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True, seed=3))
+        assert sum(eng.gamma_hist[1:]) and eng.gamma_hist[0]
+        for r in reqs:
+            spec = parse_spec_metrics(server._meta(r))
+            assert spec.verify_ct == r.verify_ct > 0 and spec.plain_rounds == r.plain_rounds > 0
+            assert spec.emitted_by_verify + spec.plain_rounds + 1 == len(r.output_ids) == spec.completion_tokens
+            assert spec.verify_ct <= spec.gamma_sum <= 3 * spec.verify_ct
+            assert 0 < spec.mean_gamma < 3
+    finally:
+        server.worker.stop()

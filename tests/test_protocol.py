@@ -18,11 +18,21 @@ def test_spec_metric_writer_and_parser_agree_for_every_spelling():
     assert meta["spec_accept_length"] == 3.0 and abs(meta["spec_accept_rate"] - 2 / 3) < 1e-12
     for a, p in SPEC_KEY_PAIRS:  # a server of any version (only its own spelling)
         st = parse_spec_metrics({"completion_tokens": 30, "spec_verify_ct": 10, a: 20, p: 30})
-        assert (st.accepted, st.proposed, st.verify_ct, st.tokens_per_verify) == (20, 30, 10, 3.0)
+        assert (st.accepted, st.proposed, st.verify_ct, st.tokens_per_verify) == (20, 30, 10, 2.9)
     legacy = parse_spec_metrics({"completion_tokens": 30, "spec_verify_ct": 10, "spec_accept_length": 3.0})
-    assert (legacy.accepted, legacy.proposed) == (20, 0)
+    assert (legacy.accepted, legacy.proposed) == (19, 0)  # the prefill's token is not a verify token
     m = parse_meta(meta)
     assert m.accepted_per_depth == [9, 7, 4] and m.spec.accept_rate == pytest.approx(2 / 3)
+    # SGLang reports no verify tokens: all but the prefill's token came from verify steps
+    assert m.spec.verify_tokens is None and m.spec.tokens_per_verify == pytest.approx(29 / 10)
+    # bebop with adaptive γ: 30 tokens = 1 (prefill) + 22 from 8 verify steps + 7 plain rounds
+    ada = parse_spec_metrics({"completion_tokens": 30, **protocol.spec_meta_info(8, 30, 14, 20, [6, 5, 3], [8, 6, 6],
+                                                                                 verify_tokens=22, plain_rounds=7,
+                                                                                 gamma_sum=20)})
+    assert (ada.verify_tokens, ada.plain_rounds, ada.gamma_sum) == (22, 7, 20)
+    assert ada.tokens_per_verify == pytest.approx(22 / 8) and ada.mean_gamma == pytest.approx(20 / 15)
+    both = ada + m.spec  # sums keep the verify tokens of each kind of server
+    assert both.emitted_by_verify == 22 + 29 and both.verify_ct == 18
     # the bridge and rl/rollout.py read through the same parser
     from bebop_megatron.rollout import bridge
 
@@ -80,6 +90,11 @@ def test_server_command_for_both_engines():
     cfg.rl.mtp_strategy, cfg.rl.verify = "frozen", "target_only"
     assert "rejection" not in " ".join(server_command(cfg, "sglang", model_path="/m", port=1))
     assert "--speculative-num-steps" not in " ".join(server_command(cfg, "bebop", model_path="/m", port=1, gamma=0))
+    assert "--speculative-adaptive" not in s
+    cfg.rl.adaptive_gamma = True  # bebop serve's own mode; SGLang keeps its fixed γ
+    assert server_command(cfg, "bebop", model_path="/m", port=1)[-1] == "--speculative-adaptive"
+    assert "adaptive" not in " ".join(server_command(cfg, "sglang", model_path="/m", port=1))
+    assert "adaptive" not in " ".join(server_command(cfg, "bebop", model_path="/m", port=1, adaptive=False))
     with pytest.raises(ValueError, match="lossy"):
         server_command(None, "sglang", model_path="/m", port=1, gamma=2,
                        extra=["--speculative-accept-threshold-acc", "0.5"])

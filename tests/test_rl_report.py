@@ -82,3 +82,24 @@ def test_speculation_benchmark_is_interleaved_medians_on_one_thread():
     assert res["repeats"] == 5 and res["batch"] == 4 and res["speedup"] > 0
     assert res["no_spec"]["tokens_per_verify"] == 1.0 and res["mtp_spec"]["tokens_per_verify"] >= 1.0
     assert 0.0 <= res["mtp_spec"]["accept_rate"] <= 1.0
+    assert res["speedup_adaptive"] > 0 and 0.0 <= res["adaptive"]["mean_gamma"] <= cfg.model.mtp_num_layers
+
+
+def test_rollout_metrics_count_only_verify_tokens_and_report_mean_gamma():
+    """With adaptive γ some tokens come from plain rounds: tokens per verify counts only the tokens of
+    verify steps, and spec/mean_gamma averages γ over all decode rounds (plain rounds are γ = 0)."""
+    from bebop_megatron.rl.metrics import rollout_metrics
+    from bebop_megatron.rl.types import RolloutBatch, Sample
+
+    def sample(n_tokens, **spec):
+        return Sample(prompt_index=0, prompt_ids=[1], response_ids=list(range(n_tokens)),
+                      rollout_logprobs=[0.0] * n_tokens, reward=1.0, truncated=False, weight_version=0, **spec)
+
+    # bebop, adaptive: 1 (prefill) + 12 from 4 verify steps + 5 plain rounds = 18 tokens, Σγ = 12
+    ada = sample(18, verify_ct=4, accepted=8, proposed=12, verify_tokens=12, plain_rounds=5, gamma_sum=12)
+    # SGLang (no verify-token count): 1 + 9 tokens from 3 verify steps at the full γ = 3
+    sgl = sample(10, verify_ct=3, accepted=6, proposed=9)
+    m = rollout_metrics(RolloutBatch(step=0, samples=[ada, sgl], prompt_indices=[0], seconds=1.0), 0, gamma=3)
+    assert m["spec/tokens_per_verify"] == (12 + 9) / 7
+    assert m["spec/mean_gamma"] == (12 + 3 * 3) / (4 + 5 + 3)
+    assert m["spec/accept_rate"] == 14 / 21

@@ -22,7 +22,8 @@ def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int) -> dict:
 
     Acceptance has one definition (issue #11): accepted / drafts that could be emitted (the engine's
     "proposed"); tokens per verify = tokens emitted by verify steps (not the prefill's first token) /
-    verify steps; ``spec/accept_depth_k`` is conditional on reaching depth k."""
+    verify steps; ``spec/accept_depth_k`` is conditional on reaching depth k; ``spec/mean_gamma`` is
+    the mean number of drafts per decode round (adaptive γ: plain rounds count as 0)."""
     ss = batch.samples
     rewards = [s.reward for s in ss]
     stale = [step_version - s.weight_version for s in ss]
@@ -36,7 +37,7 @@ def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int) -> dict:
     if verify:
         acc, prop = sum(s.accepted for s in ss), sum(s.proposed for s in ss)
         m["spec/accept_rate"] = acc / max(prop, 1)
-        m["spec/tokens_per_verify"] = sum(max(len(s.response_ids) - 1, 0) for s in ss if s.verify_ct) / verify
+        m["spec/tokens_per_verify"] = sum(s.emitted_by_verify for s in ss) / verify
         have_reached = all(len(s.reached_per_depth) >= gamma for s in ss if s.verify_ct)
         reached = verify
         for k in range(gamma):
@@ -45,6 +46,11 @@ def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int) -> dict:
                 reached = sum(s.reached_per_depth[k] for s in ss if len(s.reached_per_depth) > k)
             m[f"spec/accept_depth_{k + 1}"] = at_k / max(reached, 1)
             reached = at_k
+    rounds = verify + sum(s.plain_rounds for s in ss)
+    if rounds and gamma:
+        # servers that do not report γ (SGLang) ran every round at the full γ
+        drafted = sum(s.gamma_sum if (s.gamma_sum or s.plain_rounds) else gamma * s.verify_ct for s in ss)
+        m["spec/mean_gamma"] = drafted / rounds
     return m
 
 

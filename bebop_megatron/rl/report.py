@@ -155,12 +155,14 @@ def acceptance_vs_entropy(rows: list[dict], out_dir: Path) -> dict:
 
 
 def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats: int = 5) -> dict:
-    """Rollout tokens/s of the final policy on the embedded engine, with and without MTP speculation.
+    """Rollout tokens/s of the final policy on the embedded engine: plain decoding, MTP speculation at
+    the fixed γ, and adaptive γ (``speedup`` and ``speedup_adaptive``, both against plain).
 
-    Measured as the project's benchmarks are (a shared machine makes one timing meaningless): both
-    engines are built and warmed up first, then each of ``repeats`` (>= 5) repetitions runs
-    plain, then speculative, on the same prompts, seeds and one torch thread; the figures are
-    medians over repetitions, and ``speedup`` is the median of the per-repetition ratios."""
+    Measured as the project's benchmarks are (a shared machine makes one timing meaningless): the
+    engines are built and warmed up first (adaptive γ also measures its round costs on the whole
+    batch), then each of ``repeats`` (>= 5) repetitions runs plain, fixed, adaptive on the same
+    prompts, seeds and one torch thread; the figures are medians over repetitions, and the speed-ups
+    are medians of the per-repetition ratios."""
     import statistics
 
     import torch
@@ -176,7 +178,9 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
     stop_ids = [t for s in r.stop for t in (tokenizer.encode(s) if len(tokenizer.encode(s)) == 1 else [])]
     params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                              stop_token_ids=stop_ids, seed=i) for i in range(len(ids))]
-    specs = {"no_spec": SpecConfig("none"), "mtp_spec": SpecConfig("mtp", cfg.model.mtp_num_layers, r.verify)}
+    g = cfg.model.mtp_num_layers
+    specs = {"no_spec": SpecConfig("none"), "mtp_spec": SpecConfig("mtp", g, r.verify),
+             "adaptive": SpecConfig("mtp", g, r.verify, adaptive=True)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -185,6 +189,8 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
             eng = Engine(model, tokenizer, spec, max_running=max(len(ids), 1), max_len=cfg.data.seq_length + 8)
             with torch.inference_mode():
                 eng.generate(ids[:2], [SamplingParams(**vars(p)) for p in params[:2]])  # warm-up
+                if spec.adaptive:  # its cost measurements at this batch size
+                    eng.generate(ids, [SamplingParams(**vars(p)) for p in params])
             eng.reset_stats()
             engines[name] = eng
         runs: dict[str, list[dict]] = {name: [] for name in specs}
@@ -207,8 +213,13 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
                      "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                      "tokens_per_verify": st["avg_spec_accept_length"] if eng.gamma else 1.0,
                      "accept_rate": st["spec_accept_rate"] if eng.gamma else None}
+        if eng.spec.adaptive:
+            hist = st["spec_gamma_hist"]
+            res[name]["mean_gamma"] = sum(k * n for k, n in enumerate(hist)) / max(sum(hist), 1)
     res["speedup"] = statistics.median(s["tokens_per_s"] / p["tokens_per_s"]
                                        for p, s in zip(runs["no_spec"], runs["mtp_spec"]))
+    res["speedup_adaptive"] = statistics.median(s["tokens_per_s"] / p["tokens_per_s"]
+                                                for p, s in zip(runs["no_spec"], runs["adaptive"]))
     res["repeats"] = len(runs["no_spec"])
     res["batch"] = len(ids)
     return res

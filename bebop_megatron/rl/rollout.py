@@ -143,7 +143,7 @@ class RolloutManager:
         verify = sum(s.verify_ct for s in ss)
         if verify:  # the draft heads on these prompts (same seeds before and after RL)
             out["accept_rate"] = sum(s.accepted for s in ss) / max(sum(s.proposed for s in ss), 1)
-            out["tokens_per_verify"] = sum(max(len(s.response_ids) - 1, 0) for s in ss if s.verify_ct) / verify
+            out["tokens_per_verify"] = sum(s.emitted_by_verify for s in ss) / verify
         return out
 
     def _payload(self, ids: list[int], seed: int) -> dict:
@@ -183,7 +183,8 @@ class RolloutManager:
                       reward=float(reward), truncated=meta.truncated, weight_version=meta.version_int(), text=text,
                       verify_ct=meta.spec.verify_ct, accepted=meta.spec.accepted, proposed=meta.spec.proposed,
                       accepted_per_depth=meta.accepted_per_depth, spec_records=meta.spec_records,
-                      reached_per_depth=[int(x) for x in reached])
+                      reached_per_depth=[int(x) for x in reached], verify_tokens=meta.spec.verify_tokens,
+                      plain_rounds=meta.spec.plain_rounds, gamma_sum=meta.spec.gamma_sum)
 
     # --------------------------------------------------------------- weights
     def sync_tensors(self, buckets: Iterable[dict], version: int, expect_mtp: bool) -> dict:

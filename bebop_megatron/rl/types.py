@@ -42,6 +42,17 @@ class Sample:
     accepted_per_depth: list[int] = field(default_factory=list)
     spec_records: list = field(default_factory=list)  # protocol.SpecRecord (item access like the old dicts)
     reached_per_depth: list[int] = field(default_factory=list)  # drafts at depth k that could be emitted
+    # tokens emitted by verify steps; None where the server does not say (SGLang: every token after
+    # the prefill's), see protocol.SpecStats
+    verify_tokens: int | None = None
+    plain_rounds: int = 0  # adaptive γ: rounds decoded plainly
+    gamma_sum: int = 0  # Σ γ over the verify steps
+
+    @property
+    def emitted_by_verify(self) -> int:
+        if self.verify_tokens is not None:
+            return self.verify_tokens
+        return max(len(self.response_ids) - 1, 0) if self.verify_ct else 0
 
 
 @dataclass(kw_only=True)

@@ -197,6 +197,8 @@ class Request:
     proposed: int = 0  # drafts that could still be emitted (see the module docstring)
     accepted: int = 0
     verify_tokens: int = 0  # tokens emitted by verify steps (tokens per verify = verify_tokens / verify_ct)
+    plain_rounds: int = 0  # rounds an MTP engine decoded this request plainly (adaptive γ chose 0)
+    gamma_sum: int = 0  # Σ γ over its verify steps (mean γ = gamma_sum / (verify_ct + plain_rounds))
     created: float = field(default_factory=time.time)
     done: threading.Event = field(default_factory=threading.Event)
     on_update: Optional[Callable[["Request"], None]] = None
@@ -610,6 +612,8 @@ class Engine:
             self.hid[sl, L - 1] = mtp_in[:, 0].to(self.hid.dtype)
             self.tok[sl, L] = toks
             self.total_plain_steps += B
+            for r in reqs:
+                r.plain_rounds += 1
         for i, r in enumerate(reqs):
             self._commit(r, [int(toks[i])], logits[i: i + 1])
             self._check_done(r)
@@ -660,6 +664,7 @@ class Engine:
                 r.spec_records.append({"pos": before - 2, "accepted": acc, "topk_ids": top.indices.tolist(),
                                        "topk_probs": [[round(x, 6) for x in row] for row in top.values.tolist()]})
             r.verify_ct += 1
+            r.gamma_sum += g
             if len(r.spec_histogram) <= acc:
                 r.spec_histogram.extend([0] * (acc + 1 - len(r.spec_histogram)))
             r.spec_histogram[acc] += 1

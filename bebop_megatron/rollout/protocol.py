@@ -47,6 +47,10 @@ SPEC_KEY_PAIRS = (
 SPEC_ACCEPTED_PER_DEPTH = "spec_accepted_per_depth"  # bebop: accepted drafts at depth 1..γ
 SPEC_REACHED_PER_DEPTH = "spec_reached_per_depth"  # bebop: verify steps where draft k could be emitted
 SPEC_VERIFY_RECORDS = "spec_verify_records"  # bebop: GrowMTP records (return_spec_records > 0)
+# bebop, for adaptive γ (rounds decoded plainly emit tokens that are not verify tokens):
+SPEC_VERIFY_TOKENS = "spec_verify_tokens"  # tokens emitted by verify steps
+SPEC_PLAIN_ROUNDS = "spec_plain_rounds"  # rounds the request was decoded plainly (γ = 0)
+SPEC_GAMMA_SUM = "spec_gamma_sum"  # Σ γ over its verify steps
 
 # fields our client may send that SGLang does not read (it ignores unknown top-level keys of
 # these bodies); bebop serve uses them
@@ -59,29 +63,51 @@ DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
 @dataclass
 class SpecStats:
+    """Speculative counters of one response (or a sum of them). ``verify_tokens`` is None where the
+    server does not report it (SGLang): every token after the prefill's then came from a verify step."""
+
     verify_ct: int = 0
     accepted: int = 0
     proposed: int = 0
     completion_tokens: int = 0
+    verify_tokens: Optional[int] = None
+    plain_rounds: int = 0
+    gamma_sum: int = 0
 
     @property
     def accept_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def emitted_by_verify(self) -> int:
+        if self.verify_tokens is not None:
+            return self.verify_tokens
+        return max(self.completion_tokens - 1, 0) if self.verify_ct else 0
+
+    @property
     def tokens_per_verify(self) -> float:
-        return self.completion_tokens / self.verify_ct if self.verify_ct else 0.0
+        """Tokens emitted by verify steps / verify steps (the prefill's token is not a verify token)."""
+        return self.emitted_by_verify / self.verify_ct if self.verify_ct else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        """Mean drafts per decode round (plain rounds count as γ = 0)."""
+        rounds = self.verify_ct + self.plain_rounds
+        return self.gamma_sum / rounds if rounds else 0.0
 
     def __add__(self, o: "SpecStats") -> "SpecStats":
+        vt = self.emitted_by_verify + o.emitted_by_verify  # resolved per response, then summed
         return SpecStats(self.verify_ct + o.verify_ct, self.accepted + o.accepted, self.proposed + o.proposed,
-                         self.completion_tokens + o.completion_tokens)
+                         self.completion_tokens + o.completion_tokens, vt, self.plain_rounds + o.plain_rounds,
+                         self.gamma_sum + o.gamma_sum)
 
 
 def parse_spec_metrics(meta: Mapping) -> SpecStats:
     """Speculative counters from a ``meta_info`` of any SGLang version (missing keys: zeros).
 
     When only ``spec_verify_ct`` and ``spec_accept_length`` exist (older servers), accepted drafts
-    are recovered as completion_tokens - verify_ct (each verify step emits one non-draft token).
+    are recovered as completion_tokens - 1 - verify_ct (the prefill emits the first token, and each
+    verify step one non-draft token).
     """
     verify = int(meta.get(SPEC_VERIFY_CT) or 0)
     completion = int(meta.get("completion_tokens") or 0)
@@ -91,18 +117,23 @@ def parse_spec_metrics(meta: Mapping) -> SpecStats:
             accepted, proposed = int(meta[a]), int(meta.get(p) or 0)
             break
     if accepted is None:
-        accepted = max(completion - verify, 0) if verify else 0
+        accepted = max(completion - 1 - verify, 0) if verify else 0
         proposed = 0
-    return SpecStats(verify, accepted, proposed, completion)
+    vt = meta.get(SPEC_VERIFY_TOKENS)
+    return SpecStats(verify, accepted, proposed, completion, None if vt is None else int(vt),
+                     int(meta.get(SPEC_PLAIN_ROUNDS) or 0), int(meta.get(SPEC_GAMMA_SUM) or 0))
 
 
 def spec_meta_info(verify_ct: int, completion: int, accepted: int, proposed: int,
-                   per_depth: Sequence[int], reached_per_depth: Sequence[int] = ()) -> dict:
+                   per_depth: Sequence[int], reached_per_depth: Sequence[int] = (),
+                   verify_tokens: Optional[int] = None, plain_rounds: int = 0, gamma_sum: int = 0) -> dict:
     """``meta_info`` speculative counters under every SGLang spelling (the server's writer).
 
     ``proposed`` counts drafts that could still be emitted (not past a stop or the length limit),
     so accepted/proposed is the acceptance a user sees; per depth k, accepted[k] / reached[k] is
-    the exact per-draft acceptance α_k."""
+    the exact per-draft acceptance α_k. ``spec_accept_length`` keeps SGLang's formula (completion
+    tokens / verify steps); ``spec_verify_tokens``, ``spec_plain_rounds`` and ``spec_gamma_sum`` say
+    which tokens came from verify steps and the γ chosen, which adaptive γ makes necessary."""
     out = {
         SPEC_VERIFY_CT: verify_ct,
         SPEC_ACCEPT_LENGTH: completion / verify_ct if verify_ct else 0.0,
@@ -112,6 +143,10 @@ def spec_meta_info(verify_ct: int, completion: int, accepted: int, proposed: int
         out[a], out[p] = accepted, proposed
     out[SPEC_ACCEPTED_PER_DEPTH] = list(per_depth)
     out[SPEC_REACHED_PER_DEPTH] = list(reached_per_depth)
+    if verify_tokens is not None:
+        out[SPEC_VERIFY_TOKENS] = int(verify_tokens)
+        out[SPEC_PLAIN_ROUNDS] = int(plain_rounds)
+        out[SPEC_GAMMA_SUM] = int(gamma_sum)
     return out
 
 
@@ -319,7 +354,7 @@ def server_command(cfg=None, engine: str = "bebop", *, model_path: str, port: in
                    dtype: Optional[str] = None, api_key: Optional[str] = None, context_length: Optional[int] = None,
                    max_running: Optional[int] = None, weight_version: Optional[str] = None,
                    algorithm: Optional[str] = None, rejection_flag: bool = True,
-                   extra: Sequence[str] = ()) -> list[str]:
+                   adaptive: Optional[bool] = None, extra: Sequence[str] = ()) -> list[str]:
     """The command line of one rollout server: ``bebop serve`` (``engine="bebop"``) or
     ``sglang.launch_server`` (``engine="sglang"``), with MTP speculation when γ > 0.
 
@@ -328,7 +363,9 @@ def server_command(cfg=None, engine: str = "bebop", *, model_path: str, port: in
     ``launch.rollout_mem_fraction`` (SGLang). SGLang gets ``--speculative-eagle-topk 1`` and
     ``--speculative-num-draft-tokens γ+1``; both accept thresholds stay at 1.0 (lower is lossy);
     ``--speculative-use-rejection-sampling`` is added for ``verify == "rejection"`` when
-    ``rejection_flag`` (the installed SGLang has it). ``None`` leaves a flag to the server's default.
+    ``rejection_flag`` (the installed SGLang has it). ``adaptive`` (default ``rl.adaptive_gamma``)
+    adds bebop serve's ``--speculative-adaptive``; SGLang has no such mode and keeps its fixed γ.
+    ``None`` leaves a flag to the server's default.
     """
     if engine not in ("bebop", "sglang"):
         raise ValueError(f"engine must be bebop or sglang, got {engine!r}")
@@ -337,6 +374,8 @@ def server_command(cfg=None, engine: str = "bebop", *, model_path: str, port: in
         if gamma is None:
             gamma = m.mtp_num_layers if (r.speculative and r.strategy.speculates) else 0
         verify = verify or r.verify
+        if adaptive is None:
+            adaptive = bool(getattr(r, "adaptive_gamma", False))
         if engine == "sglang":
             ln = cfg.launch
             tp = ln.rollout_tp if tp is None else tp
@@ -373,6 +412,8 @@ def server_command(cfg=None, engine: str = "bebop", *, model_path: str, port: in
         if gamma:
             cmd += ["--speculative-algorithm", (algorithm or "MTP").upper(), "--speculative-num-steps", str(gamma),
                     "--speculative-verify", verify]
+            if adaptive:
+                cmd.append("--speculative-adaptive")
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd + extra

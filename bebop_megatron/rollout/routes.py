@@ -94,7 +94,7 @@ async def server_info(server: BebopServer = Depends(engine_server)):
             "speculative_algorithm": server.spec_algorithm_name if e.gamma else None,
             "speculative_num_steps": e.gamma, "speculative_eagle_topk": 1 if e.gamma else None,
             "speculative_num_draft_tokens": e.gamma + 1 if e.gamma else None,
-            "speculative_verify": e.spec.verify,
+            "speculative_verify": e.spec.verify, "speculative_adaptive": bool(e.gamma and e.spec.adaptive),
             "speculative_token_map": e.spec.draft_vocab if isinstance(e.spec.draft_vocab, str) else None,
             "max_running_requests": e.max_running,
             "max_total_num_tokens": e.max_running * e.max_len, "context_length": e.max_len,

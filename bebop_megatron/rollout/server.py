@@ -352,7 +352,7 @@ class BebopServer:
                 meta["output_token_ids_logprobs"] = self._position_entries(r.output_token_ids_logprobs, text)
         if self.engine.gamma:
             meta.update(spec_meta_info(r.verify_ct, completion, r.accepted, r.proposed, r.accepted_per_depth,
-                                       r.reached_per_depth))
+                                       r.reached_per_depth, r.verify_tokens, r.plain_rounds, r.gamma_sum))
             if r.spec_histogram:
                 meta["spec_correct_drafts_histogram"] = list(r.spec_histogram)
             if r.spec_record_topk:
@@ -758,6 +758,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="= steps + 1 for topk 1")
     p.add_argument("--speculative-use-rejection-sampling", action="store_true", default=True)
     p.add_argument("--speculative-verify", default="rejection", choices=["rejection", "target_only"])
+    p.add_argument("--speculative-adaptive", action="store_true",
+                   help="bebop: choose γ per round (0..num-steps) from measured round costs and acceptance, so "
+                        "speculation is not slower than plain decoding at large batches (SGLang: fixed γ)")
     p.add_argument("--speculative-token-map", default=None, metavar="PATH",
                    help="reduced-vocabulary draft (FR-Spec): a .pt (or .json) list of the token ids the MTP draft "
                         "may propose; verification stays exact against the full vocabulary")
@@ -780,7 +783,8 @@ def build_server(args) -> BebopServer:
     if token_map and not Path(token_map).is_file():
         raise SystemExit(f"bebop serve: --speculative-token-map {token_map}: no such file")
     spec = SpecConfig("mtp" if algo in ("nextn", "eagle", "mtp") else "none", args.speculative_num_steps,
-                      args.speculative_verify, draft_vocab=token_map or None)
+                      args.speculative_verify, draft_vocab=token_map or None,
+                      adaptive=bool(getattr(args, "speculative_adaptive", False)))
     engine = Engine(model, load_tokenizer_for(args.model_path, args.tokenizer), spec,
                     max_running=args.max_running_requests, max_len=args.context_length,
                     weight_version=args.weight_version)
@@ -823,8 +827,8 @@ def serve(args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable beyond this machine%s", args.host,
                     "" if server.api_key else " and has no API key")
-    log.info("bebop serve on http://%s:%d (speculative: %s, γ=%d)", args.host, args.port,
-             server.engine.spec.algorithm, server.engine.gamma)
+    log.info("bebop serve on http://%s:%d (speculative: %s, γ=%d%s)", args.host, args.port,
+             server.engine.spec.algorithm, server.engine.gamma, ", adaptive" if server.engine.spec.adaptive else "")
     try:
         uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
     finally:
