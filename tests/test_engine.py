@@ -597,3 +597,32 @@ def test_serve_speculative_adaptive_reports_which_tokens_were_verified(qwen3_dir
             assert 0 < spec.mean_gamma < 3
     finally:
         server.worker.stop()
+
+
+def test_adaptive_gamma_prices_lost_drafts_and_borrows_costs_across_buckets(qwen3_dir):
+    """Two facts of RL rollouts: short answers end inside a round, so drafts past the end are lost
+    (the prediction is scaled by the realized share of the accepted chain); and a shrinking batch
+    visits each tail bucket for a round or two, so a γ measured at one bucket prices the others
+    (only plain is measured per bucket) instead of a measurement that never completes."""
+    from collections import deque
+
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=32, max_len=64)
+    eng._alpha = _FixedAlpha([0.95] * 3)
+    eng._cost_samples = {(4, 0): deque([1e-3] * 3), (4, 1): deque([1.6] * 3), (4, 2): deque([2.2] * 3),
+                         (4, 3): deque([2.5] * 3)}
+    # E[tokens] 1.95 / 2.85 / 3.71 over cost ratios 1.6 / 2.2 / 2.5: γ = 3 wins
+    assert eng.realized_fraction(3) == 1.0 and eng._choose_gamma(4) == 3
+    # half of each accepted chain lost past the answers' ends: 1.86 / 1.90 / 0.98 tokens, plain wins
+    eng._chain_yield = {1: deque([(1, 2)] * 8), 2: deque([(2, 3)] * 8), 3: deque([(2, 4)] * 8)}
+    assert eng.realized_fraction(3) == 0.5 and eng.effective_tokens(3) == pytest.approx(0.5 * eng.expected_tokens(3))
+    assert eng._choose_gamma(4) == 0
+    eng._chain_yield = {}
+    # bucket 16: plain is measured there first; then the γ costs of bucket 4 stand in
+    assert eng._choose_gamma(16) == 0
+    eng._cost_samples[(16, 0)] = deque([2e-3] * 3)
+    assert eng._choose_gamma(16) == 3 and (16, 3) not in eng._cost_samples
+    # a γ measured nowhere is measured (γ = 2 here), wherever the batch is
+    del eng._cost_samples[(4, 2)]
+    assert eng._choose_gamma(16) == 2

@@ -284,6 +284,9 @@ class Engine:
         self._probe_at: dict[int, tuple[int, int]] = {}
         self._probe_left, self._probe_gamma = 0, 0
         self._catchup_cost: dict[int, float] = {}  # per bucket: the last catch-up round's cost / plain cost
+        # per γ, recent verify rounds' (tokens emitted, tokens the accepted chain would have given):
+        # requests that stop or hit max_new_tokens inside a round waste the drafts past their end
+        self._chain_yield: dict[int, deque] = {}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: list[int], params: SamplingParams, rid: Optional[str] = None,
@@ -424,6 +427,19 @@ class Engine:
             e += prod
         return e
 
+    def realized_fraction(self, gamma: int) -> float:
+        """Share of the accepted chain (accepted drafts + 1) that recent γ rounds could emit. Below 1
+        where requests end inside a round (short RL answers: drafts past a stop are lost); 1 before
+        any γ round. Plain rounds lose nothing this way, so E[tokens] of γ is scaled by it."""
+        rec = self._chain_yield.get(gamma)
+        if not rec:
+            return 1.0
+        return sum(e for e, _ in rec) / max(sum(c for _, c in rec), 1)
+
+    def effective_tokens(self, gamma: int) -> float:
+        """Expected tokens per row of a γ round: the acceptance chain times the realized fraction."""
+        return self.expected_tokens(gamma) * self.realized_fraction(gamma) if gamma else 1.0
+
     ADAPTIVE_MARGIN = 0.10  # speculate only if the predicted tokens/s beat plain by more than this (switching
     # from plain also pays a catch-up round, which the steady costs leave out)
     ADAPTIVE_SAMPLES = 3  # steady rounds measured per (bucket, γ) before choosing
@@ -432,11 +448,26 @@ class Engine:
     ADAPTIVE_PROBE_ROUNDS = 1 + ADAPTIVE_SAMPLES  # a probe from plain: one catch-up round, then fresh samples
     ADAPTIVE_PROBE_BUDGET = 0.03  # probes may lose at most this share of the plain rounds between them
 
+    def _cost(self, bk: int, gamma: int) -> Optional[float]:
+        """Median steady cost of γ at bucket ``bk``; for γ > 0 without samples there, the nearest
+        measured bucket's (a ratio to plain, which changes slowly with the batch). Measuring every
+        bucket first would not finish in a shrinking batch: each tail bucket lasts a round or two,
+        and its first γ > 0 round is a catch-up round, which is not a steady sample."""
+        own = self._cost_samples.get((bk, gamma))
+        if own and len(own) >= self.ADAPTIVE_SAMPLES:
+            return statistics.median(own)
+        if gamma == 0:
+            return None
+        near = [(abs(k.bit_length() - bk.bit_length()), k) for (k, c), v in self._cost_samples.items()
+                if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
+        return statistics.median(self._cost_samples[(min(near)[1], gamma)]) if near else None
+
     def _choose_gamma(self, B: int) -> int:
-        """γ for this round. Measure every γ at this batch bucket, then run the γ with the best
-        predicted tokens per second. Where plain wins, a γ > 0 round must first catch the MTP depths
-        up over every position decoded plainly, so re-checking is not free: it is a short probe at
-        intervals that double while plain keeps winning (amortised to a few rounds in a thousand)."""
+        """γ for this round. Measure plain at this batch bucket and every γ once somewhere, then run
+        the γ with the best predicted tokens per second. Where plain wins, a γ > 0 round must first
+        catch the MTP depths up over every position decoded plainly, so re-checking is not free: it
+        is a short probe at intervals that double while plain keeps winning (amortised to a few
+        rounds in a thousand)."""
         g = self.gamma
         if not self.spec.adaptive:
             self.last_gamma = g
@@ -447,12 +478,12 @@ class Engine:
             self.last_gamma = self._probe_gamma
             return self._probe_gamma
         bk = self._bucket(B)
-        for cand in (0, *range(g, 0, -1)):  # measure every γ at this bucket first, plain first
-            if len(self._cost_samples.get((bk, cand), ())) < self.ADAPTIVE_SAMPLES:
+        for cand in (0, *range(g, 0, -1)):  # measure plain here, and each γ where none is measured yet
+            if self._cost(bk, cand) is None:
                 self.last_gamma = cand
                 return cand
         # predicted tokens per unit of plain-round cost (plain: 1)
-        score = {c: self.expected_tokens(c) / statistics.median(self._cost_samples[(bk, c)]) for c in range(1, g + 1)}
+        score = {c: self.effective_tokens(c) / self._cost(bk, c) for c in range(1, g + 1)}
         score[0] = 1.0
         best = max(score, key=score.get)
         if best and score[best] < score[0] * (1.0 + self.ADAPTIVE_MARGIN):
@@ -464,7 +495,7 @@ class Engine:
                 # what a probe loses against plain, in plain rounds: its catch-up round and its steady
                 # rounds each cost their ratio and yield E[tokens]; the next one waits until that is
                 # at most ADAPTIVE_PROBE_BUDGET of the plain rounds in between
-                e, ratio = self.expected_tokens(best), statistics.median(self._cost_samples[(bk, best)])
+                e, ratio = self.effective_tokens(best), self._cost(bk, best)
                 loss = (max(0.0, self._catchup_cost.get(bk, ratio) - e)
                         + self.ADAPTIVE_SAMPLES * max(0.0, ratio - e))
                 self._remeasure(bk, best)
@@ -650,6 +681,7 @@ class Engine:
         emitted[torch.arange(B, device=dev), num_acc] = nxt
         # ---- 3. commit + metrics (one host transfer)
         em_l, m_l = emitted.tolist(), num_acc.tolist()
+        round_emit = 0
         for i, r in enumerate(reqs):
             m = m_l[i]
             left = r.params.max_new_tokens - len(r.output_ids)
@@ -671,6 +703,7 @@ class Engine:
             r.proposed += proposed
             r.accepted += acc
             r.verify_tokens += n_emit
+            round_emit += max(n_emit, 0)
             for j in range(reached):  # draft j+1 reached: drafts 1..j accepted, j+1 proposed
                 r.reached_per_depth[j] += 1
                 self.total_reached_per_depth[j] += 1
@@ -684,6 +717,7 @@ class Engine:
             self.total_accepted_drafts += acc
             self.total_verify_tokens += n_emit
             self._check_done(r)
+        self._chain_yield.setdefault(g, deque(maxlen=32)).append((round_emit, sum(m_l) + B))
         # running per-depth acceptance for the γ choice
         for j in range(g):  # lifetime counts (not reset by reset_stats), with a weak prior at 0.7
             self._alpha[j] = (self._life_acc[j] + 1.4) / (self._life_reach[j] + 2.0)
