@@ -90,7 +90,7 @@ def _rl(args) -> int:
                   f"{b['mtp_spec']['tokens_per_verify']:.2f} tokens per verify step)")
             if "adaptive" in b:
                 print(f"  ... with adaptive γ (rl.adaptive_gamma): {b['adaptive']['tokens_per_s']:.0f} tok/s "
-                      f"({b['speedup_adaptive']:.2f}x, mean γ {b['adaptive'].get('mean_gamma', 0):.2f})")
+                      f"({b['speedup_adaptive']:.2f}x, mean γ per round {b['adaptive'].get('mean_gamma', 0):.2f})")
         print(f"  tensorboard: tensorboard --logdir {cfg.rl.output_dir}/tensorboard")
         print(f"  summary:     {cfg.rl.output_dir}/summary.json")
     finally:

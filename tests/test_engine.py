@@ -614,7 +614,7 @@ def test_adaptive_gamma_prices_lost_drafts_and_borrows_costs_across_buckets(qwen
                          (4, 3): deque([2.5] * 3)}
     # E[tokens] 1.95 / 2.85 / 3.71 over cost ratios 1.6 / 2.2 / 2.5: γ = 3 wins
     assert eng.realized_fraction(3) == 1.0 and eng._choose_gamma(4) == 3
-    # half of each accepted chain lost past the answers' ends: 1.86 / 1.90 / 0.98 tokens, plain wins
+    # much of each accepted chain lost past the answers' ends: 0.98 / 1.90 / 1.86 tokens, plain wins
     eng._chain_yield = {1: deque([(1, 2)] * 8), 2: deque([(2, 3)] * 8), 3: deque([(2, 4)] * 8)}
     assert eng.realized_fraction(3) == 0.5 and eng.effective_tokens(3) == pytest.approx(0.5 * eng.expected_tokens(3))
     assert eng._choose_gamma(4) == 0
@@ -626,3 +626,29 @@ def test_adaptive_gamma_prices_lost_drafts_and_borrows_costs_across_buckets(qwen
     # a γ measured nowhere is measured (γ = 2 here), wherever the batch is
     del eng._cost_samples[(4, 2)]
     assert eng._choose_gamma(16) == 2
+
+
+def test_verify_tokens_count_only_what_a_stop_string_keeps(qwen3_dir, monkeypatch):
+    """A stop string found after a verify step cuts the drafts committed past it: they are not
+    verify tokens, and the accepted-chain yield that prices adaptive γ does not count them."""
+    import bebop_megatron.rollout.engine as engine_mod
+    from bebop_megatron.rollout.sampling import VerifyResult
+
+    def accept_all(p, q, drafts, mode, **kw):  # every draft accepted, bonus = argmax
+        return VerifyResult(torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.long), p[:, -1].argmax(-1))
+
+    monkeypatch.setattr(engine_mod, "verify_chain", accept_all)
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    tok = CharTokenizer()
+    free = Engine(model, tok, SpecConfig("mtp", 3), max_running=1, max_len=64).generate(
+        [[5, 6, 7]], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))[0].output_ids
+    # stop at the text of the third token: it arrives inside the first verify step (tokens 2..5)
+    stop = tok.decode([free[2]])
+    eng = Engine(model, tok, SpecConfig("mtp", 3), max_running=1, max_len=64)
+    r = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True,
+                                                 stop=[stop]))[0]
+    kept = len(r.output_ids)
+    assert r.finish_reason["type"] == "stop" and kept < len(free)
+    assert r.verify_ct == 1 and r.verify_tokens + 1 == kept  # the prefill's token + what the step kept
+    assert eng.total_verify_tokens == r.verify_tokens and eng._chain_yield[3][-1] == (kept - 1, 4)

@@ -30,6 +30,8 @@ def test_spec_metric_writer_and_parser_agree_for_every_spelling():
                                                                                  verify_tokens=22, plain_rounds=7,
                                                                                  gamma_sum=20)})
     assert (ada.verify_tokens, ada.plain_rounds, ada.gamma_sum) == (22, 7, 20)
+    # SGLang's accept length (completion / verify steps) without the plain rounds' tokens
+    assert protocol.spec_meta_info(8, 30, 14, 20, [6, 5, 3], verify_tokens=22)["spec_accept_length"] == 23 / 8
     assert ada.tokens_per_verify == pytest.approx(22 / 8) and ada.mean_gamma == pytest.approx(20 / 15)
     both = ada + m.spec  # sums keep the verify tokens of each kind of server
     assert both.emitted_by_verify == 22 + 29 and both.verify_ct == 18

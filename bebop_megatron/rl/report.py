@@ -189,10 +189,11 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
             eng = Engine(model, tokenizer, spec, max_running=max(len(ids), 1), max_len=cfg.data.seq_length + 8)
             with torch.inference_mode():
                 eng.generate(ids[:2], [SamplingParams(**vars(p)) for p in params[:2]])  # warm-up
-                for _ in range(10 if spec.adaptive else 0):  # its cost measurements on this workload, as a
-                    # long-lived rollout server has them after its first steps (each batch shrinks in a
-                    # few rounds here, so one pass does not finish measuring)
-                    eng.generate(ids, [SamplingParams(**vars(p)) for p in params])
+                for w in range(10 if spec.adaptive else 0):  # its cost measurements on this workload, as
+                    # a long-lived rollout server has them after its first steps (each batch shrinks in a
+                    # few rounds here, so one pass does not finish measuring); other seeds than the timed runs
+                    warm = [SamplingParams(**{**vars(p), "seed": p.seed + 10_000 * (w + 1)}) for p in params]
+                    eng.generate(ids, warm)
             eng.reset_stats()
             engines[name] = eng
         runs: dict[str, list[dict]] = {name: [] for name in specs}

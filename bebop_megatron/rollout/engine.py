@@ -458,9 +458,10 @@ class Engine:
             return statistics.median(own)
         if gamma == 0:
             return None
-        near = [(abs(k.bit_length() - bk.bit_length()), k) for (k, c), v in self._cost_samples.items()
+        # equally near: the larger bucket (its ratio is the higher, so the borrowed choice errs toward plain)
+        near = [(abs(k.bit_length() - bk.bit_length()), -k) for (k, c), v in self._cost_samples.items()
                 if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
-        return statistics.median(self._cost_samples[(min(near)[1], gamma)]) if near else None
+        return statistics.median(self._cost_samples[(-min(near)[1], gamma)]) if near else None
 
     def _choose_gamma(self, B: int) -> int:
         """γ for this round. Measure plain at this batch bucket and every γ once somewhere, then run
@@ -685,7 +686,7 @@ class Engine:
         for i, r in enumerate(reqs):
             m = m_l[i]
             left = r.params.max_new_tokens - len(r.output_ids)
-            before = len(r.tokens)
+            before, out_before = len(r.tokens), len(r.output_ids)
             self._commit(r, em_l[i][: m + 1], logits[i, : m + 1])
             n_emit = len(r.tokens) - before
             stop_at = next((j + 1 for j in range(min(m, n_emit)) if self._stops_at_token(r, em_l[i][j])), None)
@@ -702,8 +703,6 @@ class Engine:
             r.spec_histogram[acc] += 1
             r.proposed += proposed
             r.accepted += acc
-            r.verify_tokens += n_emit
-            round_emit += max(n_emit, 0)
             for j in range(reached):  # draft j+1 reached: drafts 1..j accepted, j+1 proposed
                 r.reached_per_depth[j] += 1
                 self.total_reached_per_depth[j] += 1
@@ -715,8 +714,12 @@ class Engine:
             self.total_verify_ct += 1
             self.total_proposed_drafts += proposed
             self.total_accepted_drafts += acc
-            self.total_verify_tokens += n_emit
             self._check_done(r)
+            # tokens this step kept: a stop string or regex found by _check_done cuts the output after it
+            kept = max(min(n_emit, len(r.output_ids) - out_before), 0)
+            r.verify_tokens += kept
+            self.total_verify_tokens += kept
+            round_emit += kept
         self._chain_yield.setdefault(g, deque(maxlen=32)).append((round_emit, sum(m_l) + B))
         # running per-depth acceptance for the γ choice
         for j in range(g):  # lifetime counts (not reset by reset_stats), with a weak prior at 0.7

@@ -131,12 +131,13 @@ def spec_meta_info(verify_ct: int, completion: int, accepted: int, proposed: int
 
     ``proposed`` counts drafts that could still be emitted (not past a stop or the length limit),
     so accepted/proposed is the acceptance a user sees; per depth k, accepted[k] / reached[k] is
-    the exact per-draft acceptance α_k. ``spec_accept_length`` keeps SGLang's formula (completion
-    tokens / verify steps); ``spec_verify_tokens``, ``spec_plain_rounds`` and ``spec_gamma_sum`` say
-    which tokens came from verify steps and the γ chosen, which adaptive γ makes necessary."""
+    the exact per-draft acceptance α_k. ``spec_accept_length`` is SGLang's completion tokens / verify
+    steps, counted without the tokens of plain rounds when ``verify_tokens`` is given (adaptive γ:
+    1 + verify_tokens); ``spec_verify_tokens``, ``spec_plain_rounds`` and ``spec_gamma_sum`` say which
+    tokens came from verify steps and the γ chosen."""
     out = {
         SPEC_VERIFY_CT: verify_ct,
-        SPEC_ACCEPT_LENGTH: completion / verify_ct if verify_ct else 0.0,
+        SPEC_ACCEPT_LENGTH: (completion if verify_tokens is None else 1 + verify_tokens) / verify_ct if verify_ct else 0.0,
         SPEC_ACCEPT_RATE: accepted / proposed if proposed else 0.0,
     }
     for a, p in SPEC_KEY_PAIRS:
