@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from bebop_megatron.rollout.protocol import tokens_from_verify
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -50,9 +52,7 @@ class Sample:
 
     @property
     def emitted_by_verify(self) -> int:
-        if self.verify_tokens is not None:
-            return self.verify_tokens
-        return max(len(self.response_ids) - 1, 0) if self.verify_ct else 0
+        return tokens_from_verify(self.verify_tokens, len(self.response_ids), self.verify_ct)
 
 
 @dataclass(kw_only=True)

@@ -644,9 +644,8 @@ class Engine:
             self.hid[sl, L - 1] = mtp_in[:, 0].to(self.hid.dtype)
             self.tok[sl, L] = toks
             self.total_plain_steps += B
-            for r in reqs:
-                r.plain_rounds += 1
         for i, r in enumerate(reqs):
+            r.plain_rounds += bool(self.gamma)  # only an MTP engine's plain rounds are "plain rounds"
             self._commit(r, [int(toks[i])], logits[i: i + 1])
             self._check_done(r)
 

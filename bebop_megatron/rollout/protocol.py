@@ -61,6 +61,14 @@ BEBOP_EXTENSIONS = {
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
 
+def tokens_from_verify(verify_tokens: Optional[int], completion_tokens: int, verify_ct: int) -> int:
+    """Tokens a response got from verify steps: as reported (bebop), else every token after the
+    prefill's (SGLang, where every decode round verifies). The one definition for SpecStats and Sample."""
+    if verify_tokens is not None:
+        return verify_tokens
+    return max(completion_tokens - 1, 0) if verify_ct else 0
+
+
 @dataclass
 class SpecStats:
     """Speculative counters of one response (or a sum of them). ``verify_tokens`` is None where the
@@ -80,9 +88,7 @@ class SpecStats:
 
     @property
     def emitted_by_verify(self) -> int:
-        if self.verify_tokens is not None:
-            return self.verify_tokens
-        return max(self.completion_tokens - 1, 0) if self.verify_ct else 0
+        return tokens_from_verify(self.verify_tokens, self.completion_tokens, self.verify_ct)
 
     @property
     def tokens_per_verify(self) -> float:
@@ -137,7 +143,8 @@ def spec_meta_info(verify_ct: int, completion: int, accepted: int, proposed: int
     tokens came from verify steps and the γ chosen."""
     out = {
         SPEC_VERIFY_CT: verify_ct,
-        SPEC_ACCEPT_LENGTH: (completion if verify_tokens is None else 1 + verify_tokens) / verify_ct if verify_ct else 0.0,
+        SPEC_ACCEPT_LENGTH: ((completion if verify_tokens is None else 1 + verify_tokens) / verify_ct
+                             if verify_ct else 0.0),
         SPEC_ACCEPT_RATE: accepted / proposed if proposed else 0.0,
     }
     for a, p in SPEC_KEY_PAIRS:
