@@ -652,3 +652,27 @@ def test_verify_tokens_count_only_what_a_stop_string_keeps(qwen3_dir, monkeypatc
     assert r.finish_reason["type"] == "stop" and kept < len(free)
     assert r.verify_ct == 1 and r.verify_tokens + 1 == kept  # the prefill's token + what the step kept
     assert eng.total_verify_tokens == r.verify_tokens and eng._chain_yield[3][-1] == (kept - 1, 4)
+
+
+def test_counters_are_final_when_a_request_is_published(qwen3_dir):
+    """The server's waiter (another thread) builds meta_info the moment a request is released, so
+    every counter of the last verify step is in place before; on the old code verify_tokens lagged
+    one step there (a fresh-clone run saw spec_accept_length 15/14 for 16 tokens in 14 steps)."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    tok = CharTokenizer()
+    for params in (SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_new_tokens=16, temperature=1.0, seed=3, ignore_eos=True, stop=["7"])):
+        eng = Engine(model, tok, SpecConfig("mtp", 3), max_running=2, max_len=64)
+        seen = []
+
+        def snap(r):
+            seen.append((r.finished, r.verify_ct, r.verify_tokens, r.accepted, r.proposed, len(r.output_ids)))
+
+        r = eng.add_request([5, 6, 7], params, on_update=snap)
+        while not r.finished:
+            eng.step()
+        assert seen[-1][0] and seen[-1][1:] == (r.verify_ct, r.verify_tokens, r.accepted, r.proposed, len(r.output_ids))
+        assert r.verify_tokens + 1 == len(r.output_ids)
+        # every progress notification of a verify step already counts that step
+        assert all(t + 1 == n for _, ct, t, _, _, n in seen if ct)

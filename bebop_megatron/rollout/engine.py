@@ -713,12 +713,15 @@ class Engine:
             self.total_verify_ct += 1
             self.total_proposed_drafts += proposed
             self.total_accepted_drafts += acc
-            self._check_done(r)
-            # tokens this step kept: a stop string or regex found by _check_done cuts the output after it
+            # tokens this step kept: a stop string or regex cuts the output after it. Counted before
+            # the request is published: its HTTP waiter reads meta_info the moment it is released
+            reason = None if r.finished else self._done_reason(r)
             kept = max(min(n_emit, len(r.output_ids) - out_before), 0)
             r.verify_tokens += kept
             self.total_verify_tokens += kept
             round_emit += kept
+            if not r.finished:
+                self._publish(r, reason)
         self._chain_yield.setdefault(g, deque(maxlen=32)).append((round_emit, sum(m_l) + B))
         # running per-depth acceptance for the γ choice
         for j in range(g):  # lifetime counts (not reset by reset_stats), with a weak prior at 0.7
@@ -848,26 +851,32 @@ class Engine:
         return (not r.params.ignore_eos) and self.eos_id is not None and tok == self.eos_id
 
     def _check_done(self, r: Request) -> None:
-        if r.finished:
-            return
+        if not r.finished:
+            self._publish(r, self._done_reason(r))
+
+    def _publish(self, r: Request, reason: Optional[dict]) -> None:
+        """Release a finished request, else tell its listener about progress. Its waiter (another
+        thread) reads the request as soon as this runs, so every counter must be final before."""
+        if reason is not None:
+            self._release(r, reason)
+        else:
+            self._notify(r)
+
+    def _done_reason(self, r: Request) -> Optional[dict]:
+        """Why ``r`` is finished (trimming its output at a stop string or regex), or None."""
         last = r.output_ids[-1] if r.output_ids else None
         if last is not None and self._stops_at_token(r, last):
-            self._release(r, {"type": "stop", "matched": last})
-            return
+            return {"type": "stop", "matched": last}
         matched = self._trim_at_stop_string(r) if r.params.stop and self.tokenizer is not None else None
         if matched is None and r.params.stop_regex and self.tokenizer is not None:
             matched = self._trim_at_stop_regex(r)
             if isinstance(matched, dict):
-                self._release(r, matched)
-                return
+                return matched
         if matched is not None:
-            self._release(r, {"type": "stop", "matched": matched})
-        elif len(r.output_ids) >= r.params.max_new_tokens:
-            self._release(r, {"type": "length", "length": len(r.output_ids)})
-        elif len(r.tokens) + self.gamma + 1 >= self.max_len:
-            self._release(r, {"type": "length", "length": len(r.output_ids)})
-        else:
-            self._notify(r)
+            return {"type": "stop", "matched": matched}
+        if len(r.output_ids) >= r.params.max_new_tokens or len(r.tokens) + self.gamma + 1 >= self.max_len:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
 
     def _trim_at_stop_string(self, r: Request) -> Optional[str]:
         """The stop string the output contains (output trimmed to the shortest token prefix that

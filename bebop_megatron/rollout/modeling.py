@@ -355,7 +355,6 @@ class GatedDeltaNet(nn.Module):
         B, N, _ = x.shape
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         K = c.linear_conv_kernel_dim
-        dtype = x.dtype
         fresh = (b.start == 0)  # a row from position 0 starts from zero states (slot reuse)
         qkv, z, b_proj, a_proj = self._project(x)
         # ---- causal conv1d over [conv state; new inputs]
