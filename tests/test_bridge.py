@@ -127,7 +127,7 @@ def test_bench_rollout_smoke(tmp_path):
     """The benchmark script runs and reports every row (numbers are not asserted: not a timed test)."""
     make_hf_checkpoint(tmp_path / "hf", "qwen3", "deepseek", num_mtp=2)
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--model-path", str(tmp_path / "hf"),
-                          "--max-new-tokens", "6", "--batch", "1", "2", "--reps", "1",
+                          "--max-new-tokens", "6", "--batch", "1", "2", "--reps", "1", "--min-rep-seconds", "0.05",
                           "--variants", "plain", "mtp_rejection", "adaptive", "hf_generate", "--json", str(tmp_path / "r.json"),
                           "--draft-vocab", "16"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -138,3 +138,6 @@ def test_bench_rollout_smoke(tmp_path):
     assert next(r for r in rows if r["variant"] == "mtp_rejection+dv16")["draft_vocab"] == 16
     spec = next(r for r in rows if r["variant"] == "mtp_rejection")
     assert 1.0 <= spec["tokens_per_verify"] <= 3.0 and 0.0 <= spec["accept_rate"] <= 1.0
+    # every variant of a batch size runs the same number of batches per repetition
+    for b in (1, 2):
+        assert len({r["batches_per_rep"] for r in rows if r["batch"] == b}) == 1

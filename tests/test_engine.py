@@ -412,20 +412,21 @@ def test_adaptive_gamma_is_exact_and_follows_cost(qwen3_dir):
 def test_adaptive_gamma_recovers_after_a_noisy_patch(qwen3_dir):
     """Speculation measured expensive for a while (a noisy patch of a shared machine) and cheap
     afterwards: the next probe's fresh samples replace the old ones, so the engine returns to full
-    depth within one probe interval instead of keeping plain decoding on stale costs."""
+    depth within two probe intervals (a due probe waits up to one interval for an admission, which
+    never comes in this one long batch) instead of keeping plain decoding on stale costs."""
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
-    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=4, max_len=400)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=4, max_len=800)
     patch = 100  # rounds during which a γ > 0 round costs 1 + γ
     eng._clock = _CostClock(eng, lambda g: 1.0 + (g if eng._rounds <= patch else 0.01 * g))
     eng._alpha = _FixedAlpha([0.9] * 3)
     log, choose = [], eng._choose_gamma
-    eng._choose_gamma = lambda B: log.append((eng._rounds + 1, choose(B))) or log[-1][1]
-    eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True))
-    # plain during the patch; then probes at intervals 32, 64, 128: the first probe after the patch
-    # (by round patch + 128) switches back for good
+    eng._choose_gamma = lambda B, reqs=None: log.append((eng._rounds + 1, choose(B, reqs))) or log[-1][1]
+    eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=700, temperature=0.0, ignore_eos=True))
+    # plain during the patch; then probes at intervals 32, 64, 128 (each deferred by at most as much):
+    # the first probe after the patch switches back for good
     assert any(g == 0 for r, g in log if r <= patch)
-    late = [g for r, g in log if r > patch + 128 + Engine.ADAPTIVE_PROBE_ROUNDS]
+    late = [g for r, g in log if r > patch + 2 * 128 + Engine.ADAPTIVE_PROBE_ROUNDS]
     assert len(late) >= 20 and sum(g == 3 for g in late) >= 0.8 * len(late), late[:40]
 
 
@@ -676,3 +677,38 @@ def test_counters_are_final_when_a_request_is_published(qwen3_dir):
         assert r.verify_tokens + 1 == len(r.output_ids)
         # every progress notification of a verify step already counts that step
         assert all(t + 1 == n for _, ct, t, _, _, n in seen if ct)
+
+
+def test_adaptive_gamma_prices_the_catch_up_against_the_horizon(qwen3_dir):
+    """A γ whose MTP depths lag (the rounds before decoded plainly) must first run them over every
+    lagging position. That catch-up, priced per position from a measured catch-up round, is paid
+    once: worth it for a long remaining horizon, not for a few tokens (the old choice compared
+    steady costs only and switched either way, which made a batch's last rounds cost extra)."""
+    from collections import deque
+
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+
+    def engine_after_plain_rounds(max_new_tokens, rounds=40):
+        eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=4, max_len=1200)
+        reqs = [eng.add_request([1 + i, 2, 3], SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=i))
+                for i in range(4)]
+        eng.step()  # prefill
+        for _ in range(rounds):
+            eng._plain_round(reqs)
+        eng._alpha = _FixedAlpha([0.95] * 3)
+        # steady ratios 1.6 / 2.2 / 2.5 for E[tokens] 1.95 / 2.85 / 3.71: γ = 3 wins at steady state;
+        # a measured γ = 3 catch-up over 56 positions per row cost 5 plain rounds more than a steady round
+        eng._cost_samples = {(4, 0): deque([1e-3] * 3), (4, 1): deque([1.6] * 3), (4, 2): deque([2.2] * 3),
+                             (4, 3): deque([2.5] * 3)}
+        eng._steady_work = {(4, 1): deque([2] * 3), (4, 2): deque([4] * 3), (4, 3): deque([6] * 3)}
+        eng._catchup_samples = {4: deque([(2.5 + 5.0, 56, 3)])}
+        return eng, reqs
+
+    eng, reqs = engine_after_plain_rounds(max_new_tokens=1000)
+    assert eng._position_cost(4) == pytest.approx(0.1)
+    lag = eng._depth_work(reqs, 3)
+    assert lag >= 3 * 40 and eng._switch_cost(4, 3, reqs) == pytest.approx(0.1 * (lag - 6))
+    assert eng._choose_gamma(4, reqs) == 3  # ~960 tokens left: the catch-up is amortised
+    eng, reqs = engine_after_plain_rounds(max_new_tokens=50)
+    assert eng._choose_gamma(4, reqs) == 0  # 9 tokens left: 9 x 0.67 + a ~12-round catch-up > 9

@@ -8,8 +8,10 @@ rejection sampling, fixed γ), ``mtp_target_only`` (MTP drafts + target-only ver
 assisted generation, self-speculative early exit; batch 1 in transformers, so run per prompt).
 
 For every batch size, each repetition runs every variant once, in turn (interleaved: a slow
-patch of a shared CPU hits all variants alike); the figures are medians over ``--reps`` (≥5)
-repetitions, in wall time and in CPU time (``time.process_time``). Engines are built and warmed
+patch of a shared CPU hits all variants alike); a variant's repetition generates the batch as many
+times back to back as plain decoding needs for ``--min-rep-seconds`` (one batch of the tiny model
+lasts ~0.1 s, too short to time on a shared machine: single batches scattered ±10%); the figures are
+medians over ``--reps`` (≥5) repetitions, in wall time and in CPU time (``time.process_time``). Engines are built and warmed
 up once per (variant, batch) and reused across repetitions, as a server would (the adaptive
 engine keeps what it measured). Torch runs with ``--threads`` threads (default 1).
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -93,16 +96,20 @@ class EngineVariant:
         self.new_tokens, self.temperature = new_tokens, temperature
         self.rep = 0
 
-    def run(self, ps) -> dict:
-        self.rep += 1
-        sp = [SamplingParams(max_new_tokens=self.new_tokens, temperature=self.temperature, ignore_eos=True,
-                             seed=1000 * self.rep + i) for i in range(len(ps))]
+    def run(self, ps, batches: int = 1) -> dict:
+        """``batches`` generate calls of the prompts back to back (fresh seeds each), timed as one."""
         self.eng.reset_stats()
-        w0, c0 = time.perf_counter(), time.process_time()
-        reqs = self.eng.generate(ps, sp)
-        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        tokens, wall, cpu = 0, 0.0, 0.0
+        for _ in range(batches):
+            self.rep += 1
+            sp = [SamplingParams(max_new_tokens=self.new_tokens, temperature=self.temperature, ignore_eos=True,
+                                 seed=1000 * self.rep + i) for i in range(len(ps))]
+            w0, c0 = time.perf_counter(), time.process_time()
+            reqs = self.eng.generate(ps, sp)
+            wall, cpu = wall + time.perf_counter() - w0, cpu + time.process_time() - c0
+            tokens += sum(len(r.output_ids) for r in reqs)
         st = self.eng.stats()
-        out = {"tokens": sum(len(r.output_ids) for r in reqs), "wall_s": wall, "cpu_s": cpu}
+        out = {"tokens": tokens, "wall_s": wall, "cpu_s": cpu}
         if self.eng.gamma:
             reach, acc = sum(st["spec_reached_per_depth"]), sum(st["spec_accepted_per_depth"])
             out.update(verify_ct=st["spec_verify_ct"], verify_tokens=self.eng.total_verify_tokens,
@@ -128,20 +135,21 @@ class HFVariant:
             n_layers = self.model.config.num_hidden_layers
             self.kw["assistant_early_exit"] = max(1, n_layers // 2)
 
-    def run(self, ps) -> dict:
+    def run(self, ps, batches: int = 1) -> dict:
         w0, c0 = time.perf_counter(), time.process_time()
         toks = 0
         with torch.no_grad():
-            if self.assisted:  # assisted generation is batch-size 1 in transformers
-                for p in ps:
-                    out = self.model.generate(torch.tensor([p], device=self.device), **self.kw)
-                    toks += out.shape[1] - len(p)
-            else:
-                n = max(len(p) for p in ps)
-                ids = torch.tensor([[0] * (n - len(p)) + p for p in ps])
-                mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in ps])
-                out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), **self.kw)
-                toks = (out.shape[1] - n) * len(ps)
+            for _ in range(batches):
+                if self.assisted:  # assisted generation is batch-size 1 in transformers
+                    for p in ps:
+                        out = self.model.generate(torch.tensor([p], device=self.device), **self.kw)
+                        toks += out.shape[1] - len(p)
+                else:
+                    n = max(len(p) for p in ps)
+                    ids = torch.tensor([[0] * (n - len(p)) + p for p in ps])
+                    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in ps])
+                    out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device), **self.kw)
+                    toks += (out.shape[1] - n) * len(ps)
         return {"tokens": toks, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}
 
 
@@ -180,6 +188,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--min-rep-seconds", type=float, default=1.0,
+                    help="each repetition runs the batch this many times back to back, as many as plain decoding "
+                         "needs for this long (one batch of a small model lasts ~0.1 s: too short to time on a "
+                         "shared machine); every variant runs the same number")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="where the model and the engine run (cpu, cuda, cuda:1)")
     ap.add_argument("--gamma", type=int, default=None, help="drafts per step (default: the model's MTP depth)")
@@ -233,11 +245,15 @@ def main(argv=None) -> int:
             except Exception as e:  # report, don't hide: some modes need features a model may lack
                 print(f"{v} (batch {b}): skipped ({type(e).__name__}: {e})", file=sys.stderr)
                 runners.pop(v, None)
+        one = min(runners[v].run(ps)["wall_s"] for v in ("plain",) * 2) if "plain" in runners else 0.0
+        batches = max(1, math.ceil(args.min_rep_seconds / one)) if one else 1
         runs = {v: [] for v in runners}
         for _ in range(args.reps):
             for v, r in runners.items():  # interleaved
-                runs[v].append(r.run(ps))
+                runs[v].append(r.run(ps, batches))
         recs = {v: summarise(v, b, runs[v], gamma) for v in runners}
+        for rec in recs.values():
+            rec["batches_per_rep"] = batches
         for v, rec in recs.items():  # draft token-map size (None: the full vocabulary)
             ids = getattr(getattr(runners[v], "eng", None), "draft_ids", None)
             rec["draft_vocab"] = int(ids.numel()) if ids is not None else None
@@ -254,7 +270,7 @@ def main(argv=None) -> int:
 
 def _print(rows, path, gamma, args) -> None:
     print(f"\nmodel: {path}  γ≤{gamma}  batch={rows[0]['batch']}  new tokens={args.max_new_tokens}  "
-          f"T={args.temperature}  device={args.device}  threads={torch.get_num_threads()}  median of {args.reps} interleaved reps")
+          f"T={args.temperature}  device={args.device}  threads={torch.get_num_threads()}  median of {args.reps} interleaved reps of {rows[0]['batches_per_rep']} batches")
     print(f"{'variant':20s} {'tok/s':>8s} {'vs plain':>8s} {'cpu vs':>7s} {'tok/verify':>10s} {'bound':>6s} "
           f"{'alpha':>6s} {'acc rate':>8s} {'mean γ':>6s}")
     f = lambda x, w, p=3: f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else " " * w

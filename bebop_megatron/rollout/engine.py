@@ -48,15 +48,24 @@ all of a request's uniforms for a round drawn at once from its own generator.
 (0..max) at the current batch size (power-of-two buckets; the median of recent *steady* rounds, i.e.
 not those that also catch the MTP depths up over positions decoded plainly or just prefilled; γ > 0
 costs as ratios to the plain cost of their time, so a machine whose load drifts does not tilt it) and
-picks the γ that maximises expected tokens per second, E[tokens | γ] = 1 + Σ_{j≤γ} Π_{i≤j} α_i with
-the running per-depth acceptance α_i. γ > 0 is chosen only when its predicted gain exceeds
-``ADAPTIVE_MARGIN``. While speculating, every ``ADAPTIVE_REMEASURE`` rounds another γ is re-measured
+picks the γ that finishes the batch's remaining tokens at the least cost, E[tokens | γ] = 1 + Σ_{j≤γ}
+Π_{i≤j} α_i with the running per-depth acceptance α_i. A γ whose depths lag (the rounds before ran
+plainly or at a smaller γ) first pays a catch-up over the lagging positions, priced per position from
+measured catch-up rounds and amortised over the remaining tokens (the horizon: the median remaining
+token budget of the batch), so a short horizon does not switch for a small steady gain and γ does not
+flap. γ > 0 is chosen only when its predicted gain exceeds ``ADAPTIVE_MARGIN``. While speculating,
+every ``ADAPTIVE_REMEASURE`` rounds a γ that needs no catch-up (plain or a smaller γ) is re-measured
 (``ADAPTIVE_SAMPLES`` fresh rounds that replace its old costs).
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
 ``ADAPTIVE_PROBE_MAX`` rounds, and never closer than what the last probe lost against plain (its
-catch-up and steady rounds' costs minus the tokens they yield) over ``ADAPTIVE_PROBE_BUDGET``.
+catch-up and steady rounds' costs minus the tokens they yield) over ``ADAPTIVE_PROBE_BUDGET``. A due
+probe waits (at most one more interval) for the round after an admission, where the depths lag only
+over the new prompts. While plain wins nothing a plain round changes can make γ > 0 win (its costs,
+acceptance and yields move only in γ > 0 rounds; the horizon shrinks and the catch-up grows), so the
+choice is reused until a γ > 0 round, an admission, a re-measure or a due probe: it costs a plain
+round next to nothing.
 
 Acceptance metric (one definition, everywhere):
   * a draft is *proposed* only if it could still be emitted: drafts past an accepted stop token
@@ -283,7 +292,15 @@ class Engine:
         self._current_depths = 0  # MTP depths 1..n are current for every decoding request
         self._probe_at: dict[int, tuple[int, int]] = {}
         self._probe_left, self._probe_gamma = 0, 0
-        self._catchup_cost: dict[int, float] = {}  # per bucket: the last catch-up round's cost / plain cost
+        # per bucket, recent catch-up rounds (cost / plain cost, positions per row, γ), and per (bucket, γ)
+        # the positions per row of steady rounds: together they price a catch-up position
+        self._catchup_samples: dict[int, deque] = {}
+        self._credit: dict[int, float] = {}  # per bucket: plain rounds a re-measuring catch-up may spend
+        # bumped by whatever can make speculation win again: a γ > 0 round, an admission, a re-measure
+        self._spec_version = 0
+        self._just_admitted = False  # the next round follows a prefill: the depths lag least then
+        self._plain_wins: Optional[tuple[int, int]] = None  # (bucket, version) where plain last won
+        self._steady_work: dict[tuple[int, int], deque] = {}
         # per γ, recent verify rounds' (tokens emitted, tokens the accepted chain would have given):
         # requests that stop or hit max_new_tokens inside a round waste the drafts past their end
         self._chain_yield: dict[int, deque] = {}
@@ -380,22 +397,26 @@ class Engine:
                 self.running.extend(admitted)
                 self._prefill(admitted)
             if decoding:
-                gamma = self._choose_gamma(len(decoding)) if self.gamma else 0
+                gamma = self._choose_gamma(len(decoding), decoding) if self.gamma else 0
                 # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
                 # prefilled) also runs them over those (catch-up): not the steady cost of γ
                 steady = gamma <= self._current_depths
+                work = self._depth_work(decoding, gamma) if self.spec.adaptive and gamma else 0
                 t0 = self._clock()
                 if gamma:
                     self._speculative_round(decoding, gamma)
+                    self._spec_version += 1
                 else:
                     self._plain_round(decoding)
                 if self.gamma:
                     self.gamma_hist[gamma] += 1  # rounds run at each γ (fixed γ too)
                     if self.spec.adaptive:
-                        self._record_cost(len(decoding), gamma, self._clock() - t0, steady)
+                        self._record_cost(len(decoding), gamma, self._clock() - t0, steady, work)
                 self._current_depths = gamma
             if admitted:  # prefilled requests join the next round with no MTP depth computed yet
                 self._current_depths = 0
+                self._spec_version += 1
+                self._just_admitted = True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False) -> list[Request]:
@@ -446,7 +467,7 @@ class Engine:
     ADAPTIVE_REMEASURE = 32  # while speculating, every N-th round starts re-measuring another γ
     ADAPTIVE_PROBE_MAX = 1024  # while plain wins, the probe interval doubles from REMEASURE up to this
     ADAPTIVE_PROBE_ROUNDS = 1 + ADAPTIVE_SAMPLES  # a probe from plain: one catch-up round, then fresh samples
-    ADAPTIVE_PROBE_BUDGET = 0.03  # probes may lose at most this share of the plain rounds between them
+    ADAPTIVE_PROBE_BUDGET = 0.01  # probes may lose at most this share of the plain rounds between them
 
     def _cost(self, bk: int, gamma: int) -> Optional[float]:
         """Median steady cost of γ at bucket ``bk``; for γ > 0 without samples there, the nearest
@@ -463,12 +484,66 @@ class Engine:
                 if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
         return statistics.median(self._cost_samples[(-min(near)[1], gamma)]) if near else None
 
-    def _choose_gamma(self, B: int) -> int:
+    def _depth_starts(self, slots: list[int], L: list[int], g: int) -> list[list[int]]:
+        """b_k per depth and row: depth k starts at its first uncomputed position, or where depth k+1
+        must start (depth k+1 reads depth k's output, or its carry, at its own first position)."""
+        starts = [[0] * len(slots) for _ in range(g)]
+        for i, s in enumerate(slots):
+            v = self.valid[s]
+            nxt = v[g]
+            starts[g - 1][i] = nxt
+            for k in range(g - 1, 0, -1):
+                nxt = v[k] if v[k] <= nxt + 1 else nxt
+                starts[k - 1][i] = nxt
+        return starts
+
+    def _depth_work(self, reqs: list[Request], g: int) -> int:
+        """Positions per row the depths 1..γ of a round run over (padded to the longest row, as the
+        draft pass runs them): a few in a steady round, every lagging position in a catch-up."""
+        L = [len(r.tokens) for r in reqs]
+        return sum(max(x - 1 - s for x, s in zip(L, st)) for st in self._depth_starts([r.slot for r in reqs], L, g))
+
+    def _position_cost(self, bk: int) -> float:
+        """Cost of one more catch-up position per row, in plain rounds: (catch-up cost - steady cost
+        of its γ) / (its positions - steady positions), median over recent catch-ups at the nearest
+        bucket that has one; 0 (catch-up unpriced) before any."""
+        near = sorted(self._catchup_samples, key=lambda k: (abs(k.bit_length() - bk.bit_length()), -k))
+        for k in near:
+            per = []
+            for ratio, work, g in self._catchup_samples[k]:
+                steady, sw = self._cost(k, g), self._steady_work.get((k, g))
+                if steady is not None and sw and work > statistics.median(sw):
+                    per.append(max(ratio - steady, 0.0) / (work - statistics.median(sw)))
+            if per:
+                return statistics.median(per)
+        return 0.0
+
+    def _switch_cost(self, bk: int, gamma: int, reqs: Optional[list[Request]]) -> float:
+        """Extra cost (plain rounds) of running γ next when its depths lag: the catch-up positions
+        beyond a steady round's, times the position cost. 0 where γ's depths are current."""
+        if reqs is None or gamma <= self._current_depths:
+            return 0.0
+        sw = self._steady_work.get((bk, gamma)) or next(
+            (v for (k, c), v in self._steady_work.items() if c == gamma), None)
+        extra = self._depth_work(reqs, gamma) - (statistics.median(sw) if sw else 0)
+        return max(extra, 0) * self._position_cost(bk)
+
+    def _horizon(self, reqs: Optional[list[Request]]) -> float:
+        """Tokens per row left to generate (median of the remaining budgets: an upper bound where
+        answers stop early); 1 without requests (the choice is then per round)."""
+        if not reqs:
+            return 1.0
+        left = [min(r.params.max_new_tokens - len(r.output_ids), self.max_len - len(r.tokens) - self.gamma - 1)
+                for r in reqs]
+        return float(max(statistics.median(left), 1))
+
+    def _choose_gamma(self, B: int, reqs: Optional[list[Request]] = None) -> int:
         """γ for this round. Measure plain at this batch bucket and every γ once somewhere, then run
-        the γ with the best predicted tokens per second. Where plain wins, a γ > 0 round must first
-        catch the MTP depths up over every position decoded plainly, so re-checking is not free: it
-        is a short probe at intervals that double while plain keeps winning (amortised to a few
-        rounds in a thousand)."""
+        the γ that finishes the remaining tokens at the least predicted cost: (horizon / E[tokens]) x
+        its round cost, plus its catch-up where its depths lag. Where plain wins, a γ > 0 round must
+        first catch the MTP depths up over every position decoded plainly, so re-checking is not
+        free: it is a short probe at intervals that double while plain keeps winning (amortised to a
+        few rounds in a thousand)."""
         g = self.gamma
         if not self.spec.adaptive:
             self.last_gamma = g
@@ -479,36 +554,71 @@ class Engine:
             self.last_gamma = self._probe_gamma
             return self._probe_gamma
         bk = self._bucket(B)
+        fresh, self._just_admitted = self._just_admitted, False
+        if self._plain_wins == (bk, self._spec_version) and self._rounds < sum(self._probe_at[bk]):
+            # nothing plain rounds change can make speculation win again (γ > 0 costs, acceptance and
+            # yields move only in γ > 0 rounds; the horizon only shrinks, the catch-up only grows); a
+            # due probe waits for an admission, which changes the version, or for one more interval
+            self.last_gamma = 0
+            return 0
         for cand in (0, *range(g, 0, -1)):  # measure plain here, and each γ where none is measured yet
             if self._cost(bk, cand) is None:
                 self.last_gamma = cand
                 return cand
-        # predicted tokens per unit of plain-round cost (plain: 1)
-        score = {c: self.effective_tokens(c) / self._cost(bk, c) for c in range(1, g + 1)}
-        score[0] = 1.0
-        best = max(score, key=score.get)
-        if best and score[best] < score[0] * (1.0 + self.ADAPTIVE_MARGIN):
+        # plain rounds per token of each γ in steady state (plain: 1); the catch-up, which can only
+        # make a γ dearer, is worked out where a γ whose depths lag could still win (the choice runs
+        # every round: the common case, plain winning at a large batch, stays cheap)
+        per_token = {c: self._cost(bk, c) / max(self.effective_tokens(c), 1e-9) for c in range(1, g + 1)}
+        per_token[0] = 1.0
+        switch: dict[int, float] = {}
+        best = min(per_token, key=per_token.get)
+        if best and per_token[best] * (1.0 + self.ADAPTIVE_MARGIN) > 1.0:
             best = 0  # a predicted gain inside the measurement noise is not worth the risk
+        winners = [c for c in per_token if c and per_token[c] * (1.0 + self.ADAPTIVE_MARGIN) <= 1.0]
+        if best and reqs is not None and any(c > self._current_depths for c in winners):
+            # the least predicted cost of the remaining tokens (horizon H), in plain rounds
+            H = self._horizon(reqs)
+            switch = {c: self._switch_cost(bk, c, reqs) for c in winners}
+            best = min([0, *winners], key=lambda c: H * per_token[c] + switch.get(c, 0.0))
+            if best and H * per_token[best] + switch[best] > H / (1.0 + self.ADAPTIVE_MARGIN):
+                best = 0
         if best == 0:
             due, interval = self._probe_at.get(bk, (self._rounds + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
-            if self._rounds >= due:  # probe the most promising γ > 0 (costs and acceptance drift)
-                best = max(range(1, g + 1), key=score.get)
+            # probe the γ > 0 of the least catch-up + steady cost; a due probe waits for the round
+            # after an admission (a batch's start, where the catch-up runs over the prompts only),
+            # for at most one more interval
+            if self._rounds >= due and (fresh or self._rounds >= due + interval):
+                sw = {c: self._switch_cost(bk, c, reqs) for c in range(1, g + 1)}
+                best = min(range(1, g + 1), key=lambda c: sw[c] + self.ADAPTIVE_SAMPLES * per_token[c])
                 # what a probe loses against plain, in plain rounds: its catch-up round and its steady
                 # rounds each cost their ratio and yield E[tokens]; the next one waits until that is
                 # at most ADAPTIVE_PROBE_BUDGET of the plain rounds in between
                 e, ratio = self.effective_tokens(best), self._cost(bk, best)
-                loss = (max(0.0, self._catchup_cost.get(bk, ratio) - e)
-                        + self.ADAPTIVE_SAMPLES * max(0.0, ratio - e))
+                loss = max(0.0, ratio + sw[best] - e) + self.ADAPTIVE_SAMPLES * max(0.0, ratio - e)
                 self._remeasure(bk, best)
                 interval = min(max(2 * interval, math.ceil(loss / self.ADAPTIVE_PROBE_BUDGET)), self.ADAPTIVE_PROBE_MAX)
                 due = self._rounds + interval
             self._probe_at[bk] = (due, interval)
+            self._plain_wins = (bk, self._spec_version) if best == 0 else None
         else:
-            self._probe_at.pop(bk, None)  # speculation wins here: back-off starts over if plain wins again
+            # speculation wins here: its steady rounds refresh the γ costs, so the next probe, should
+            # plain win again, is one interval after the last of them (the back-off is kept: where
+            # plain and γ > 0 are close, a win at a batch's start must not restart probing at 32)
+            _, interval = self._probe_at.get(bk, (0, self.ADAPTIVE_REMEASURE))
+            self._probe_at[bk] = (self._rounds + interval, interval)
+            # re-measuring a larger γ pays its catch-up: it spends a credit that grows by
+            # ADAPTIVE_PROBE_BUDGET plain rounds per round, as probes from plain do
+            self._credit[bk] = min(self._credit.get(bk, 0.0) + self.ADAPTIVE_PROBE_BUDGET, self.ADAPTIVE_PROBE_MAX)
             if self._rounds % self.ADAPTIVE_REMEASURE == 0:  # re-measure the others in turn (costs drift)
                 others = [c for c in range(g + 1) if c != best]
-                best = others[(self._rounds // self.ADAPTIVE_REMEASURE) % len(others)]
-                self._remeasure(bk, best)
+                cand = others[(self._rounds // self.ADAPTIVE_REMEASURE) % len(others)]
+                cost = self._switch_cost(bk, cand, reqs)
+                if cost > self._credit[bk]:  # not yet: a γ that needs no catch-up instead
+                    cand, cost = next((c for c in reversed(others) if c <= self._current_depths), None), 0.0
+                if cand is not None:
+                    self._credit[bk] -= cost
+                    best = cand
+                    self._remeasure(bk, best)
         self.last_gamma = best
         return best
 
@@ -517,21 +627,26 @@ class Engine:
         replace its old ones: otherwise costs measured in a noisy patch of a shared machine outvote
         the one new sample of each visit, and a choice made in that patch sticks."""
         self._cost_samples.pop((bk, cand), None)
+        self._spec_version += 1
         catch_up = 1 if cand > self._current_depths else 0
         self._probe_gamma, self._probe_left = cand, catch_up + self.ADAPTIVE_SAMPLES - 1
 
-    def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True) -> None:
+    def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True, work: int = 0) -> None:
         """Keep the recent steady costs of a round; the first of each (bucket, γ) is a warm-up
         (first shapes) and is dropped. A γ > 0 cost is kept as a ratio to the plain cost measured
         around the same time, so that a machine that gets busier or quieter while the engine
         speculates (or decodes plainly) does not tilt the choice: only ratios are compared.
-        A catch-up round's cost (as a ratio) is kept apart: it prices the next probe."""
+        A catch-up round's cost (as a ratio) is kept apart with its positions per row (``work``):
+        with the steady rounds' positions they price a catch-up position."""
         key = (self._bucket(B), gamma)
         if not steady:
             plain = self._cost_samples.get((key[0], 0))
             if gamma and plain:
-                self._catchup_cost[key[0]] = seconds / statistics.median(plain)
+                self._catchup_samples.setdefault(key[0], deque(maxlen=5)).append(
+                    (seconds / statistics.median(plain), work, gamma))
             return
+        if gamma:
+            self._steady_work.setdefault(key, deque(maxlen=16)).append(work)
         if key not in self._cost_warm:
             self._cost_warm.add(key)
             return
@@ -743,16 +858,7 @@ class Engine:
         L_l = [int(x) for x in (L.tolist() if isinstance(L, Tensor) else L)]
         B = len(slot_l)
         sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
-        # b_k per row: depth k starts at its first uncomputed position, or where depth k+1 must
-        # start (depth k+1 reads depth k's output, or its carry, at its own first position)
-        starts = [[0] * B for _ in range(g)]
-        for i, s in enumerate(slot_l):
-            v = self.valid[s]
-            nxt = v[g]
-            starts[g - 1][i] = nxt
-            for k in range(g - 1, 0, -1):
-                nxt = v[k] if v[k] <= nxt + 1 else nxt
-                starts[k - 1][i] = nxt
+        starts = self._depth_starts(slot_l, L_l, g)
         drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
         q_rows = []
         prev_out, prev_start, prev_N = None, None, 0
