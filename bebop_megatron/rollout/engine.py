@@ -555,7 +555,7 @@ class Engine:
             return self._probe_gamma
         bk = self._bucket(B)
         fresh, self._just_admitted = self._just_admitted, False
-        if self._plain_wins == (bk, self._spec_version) and self._rounds < sum(self._probe_at[bk]):
+        if self._plain_wins == (bk, self._spec_version) and self._rounds < sum(self._probe_at.get(bk, (0, 0))):
             # nothing plain rounds change can make speculation win again (γ > 0 costs, acceptance and
             # yields move only in γ > 0 rounds; the horizon only shrinks, the catch-up only grows); a
             # due probe waits for an admission, which changes the version, or for one more interval
@@ -580,8 +580,6 @@ class Engine:
             H = self._horizon(reqs)
             switch = {c: self._switch_cost(bk, c, reqs) for c in winners}
             best = min([0, *winners], key=lambda c: H * per_token[c] + switch.get(c, 0.0))
-            if best and H * per_token[best] + switch[best] > H / (1.0 + self.ADAPTIVE_MARGIN):
-                best = 0
         if best == 0:
             due, interval = self._probe_at.get(bk, (self._rounds + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
             # probe the γ > 0 of the least catch-up + steady cost; a due probe waits for the round
@@ -601,11 +599,10 @@ class Engine:
             self._probe_at[bk] = (due, interval)
             self._plain_wins = (bk, self._spec_version) if best == 0 else None
         else:
-            # speculation wins here: its steady rounds refresh the γ costs, so the next probe, should
-            # plain win again, is one interval after the last of them (the back-off is kept: where
-            # plain and γ > 0 are close, a win at a batch's start must not restart probing at 32)
-            _, interval = self._probe_at.get(bk, (0, self.ADAPTIVE_REMEASURE))
-            self._probe_at[bk] = (self._rounds + interval, interval)
+            # speculation wins here: the back-off starts over if plain wins again (a choice of plain
+            # made on costs from a noisy moment is then re-checked soon; the probe waits for the next
+            # admission, where its catch-up is cheap)
+            self._probe_at.pop(bk, None)
             # re-measuring a larger γ pays its catch-up: it spends a credit that grows by
             # ADAPTIVE_PROBE_BUDGET plain rounds per round, as probes from plain do
             self._credit[bk] = min(self._credit.get(bk, 0.0) + self.ADAPTIVE_PROBE_BUDGET, self.ADAPTIVE_PROBE_MAX)
