@@ -710,5 +710,10 @@ def test_adaptive_gamma_prices_the_catch_up_against_the_horizon(qwen3_dir):
     lag = eng._depth_work(reqs, 3)
     assert lag >= 3 * 40 and eng._switch_cost(4, 3, reqs) == pytest.approx(0.1 * (lag - 6))
     assert eng._choose_gamma(4, reqs) == 3  # ~960 tokens left: the catch-up is amortised
+    # the priced positions are the ones the draft pass runs: Σ over depths of the padded span
+    spans, step = [], eng.model.mtp_step
+    eng.model.mtp_step = lambda k, h, ids, cache, b: spans.append(ids.shape[1]) or step(k, h, ids, cache, b)
+    eng._speculative_round(sorted(reqs, key=lambda r: r.slot), 3)
+    assert len(spans) == 3 and sum(spans) == lag
     eng, reqs = engine_after_plain_rounds(max_new_tokens=50)
     assert eng._choose_gamma(4, reqs) == 0  # 9 tokens left: 9 x 0.67 + a ~12-round catch-up > 9

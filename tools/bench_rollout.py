@@ -189,8 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--min-rep-seconds", type=float, default=1.0,
-                    help="each repetition runs the batch this many times back to back, as many as plain decoding "
-                         "needs for this long (one batch of a small model lasts ~0.1 s: too short to time on a "
+                    help="each repetition runs the batch back to back as many times as plain decoding (else the "
+                         "first variant) needs for this long (one batch of a small model lasts ~0.1 s: too short to time on a "
                          "shared machine); every variant runs the same number")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="where the model and the engine run (cpu, cuda, cuda:1)")
@@ -245,8 +245,15 @@ def main(argv=None) -> int:
             except Exception as e:  # report, don't hide: some modes need features a model may lack
                 print(f"{v} (batch {b}): skipped ({type(e).__name__}: {e})", file=sys.stderr)
                 runners.pop(v, None)
-        one = min(runners[v].run(ps)["wall_s"] for v in ("plain",) * 2) if "plain" in runners else 0.0
-        batches = max(1, math.ceil(args.min_rep_seconds / one)) if one else 1
+        # repetition length from plain decoding (or the first variant) timed twice; its seeds are reused
+        ref = runners.get("plain") or next(iter(runners.values()), None)
+        one, batches = 0.0, 1
+        if ref is not None:
+            rep0 = getattr(ref, "rep", None)
+            one = min(ref.run(ps)["wall_s"] for _ in range(2))
+            if rep0 is not None:
+                ref.rep = rep0  # the timed repetitions stay seed-paired with the other variants
+            batches = max(1, math.ceil(args.min_rep_seconds / one))
         runs = {v: [] for v in runners}
         for _ in range(args.reps):
             for v, r in runners.items():  # interleaved

@@ -53,19 +53,21 @@ picks the γ that finishes the batch's remaining tokens at the least cost, E[tok
 plainly or at a smaller γ) first pays a catch-up over the lagging positions, priced per position from
 measured catch-up rounds and amortised over the remaining tokens (the horizon: the median remaining
 token budget of the batch), so a short horizon does not switch for a small steady gain and γ does not
-flap. γ > 0 is chosen only when its predicted gain exceeds ``ADAPTIVE_MARGIN``. While speculating,
-every ``ADAPTIVE_REMEASURE`` rounds a γ that needs no catch-up (plain or a smaller γ) is re-measured
-(``ADAPTIVE_SAMPLES`` fresh rounds that replace its old costs).
+flap. γ > 0 is chosen only when its steady gain exceeds ``ADAPTIVE_MARGIN``. While speculating, every
+``ADAPTIVE_REMEASURE`` rounds another γ is re-measured in turn (``ADAPTIVE_SAMPLES`` fresh rounds that
+replace its old costs); a larger γ, whose depths lag, only when its catch-up fits a credit that grows
+by ``ADAPTIVE_PROBE_BUDGET`` plain rounds per round, else plain or a smaller γ.
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
 ``ADAPTIVE_PROBE_MAX`` rounds, and never closer than what the last probe lost against plain (its
 catch-up and steady rounds' costs minus the tokens they yield) over ``ADAPTIVE_PROBE_BUDGET``. A due
-probe waits (at most one more interval) for the round after an admission, where the depths lag only
-over the new prompts. While plain wins nothing a plain round changes can make γ > 0 win (its costs,
-acceptance and yields move only in γ > 0 rounds; the horizon shrinks and the catch-up grows), so the
-choice is reused until a γ > 0 round, an admission, a re-measure or a due probe: it costs a plain
-round next to nothing.
+probe waits (at most one more interval) for the round after an admission: where a whole batch was
+just admitted (RL rollouts, a benchmark), the depths lag only over its prompts then (with continuous
+batching the older rows still lag; the price uses the real rows). While plain wins with the same
+rows, nothing a plain round changes can make γ > 0 win (its costs, acceptance and yields move only in
+γ > 0 rounds; the horizon shrinks and the catch-up grows), so the choice is reused until a γ > 0 round,
+an admission, a release, a re-measure or a due probe: it costs a plain round next to nothing.
 
 Acceptance metric (one definition, everywhere):
   * a draft is *proposed* only if it could still be emitted: drafts past an accepted stop token
@@ -461,11 +463,12 @@ class Engine:
         """Expected tokens per row of a γ round: the acceptance chain times the realized fraction."""
         return self.expected_tokens(gamma) * self.realized_fraction(gamma) if gamma else 1.0
 
-    ADAPTIVE_MARGIN = 0.10  # speculate only if the predicted tokens/s beat plain by more than this (switching
-    # from plain also pays a catch-up round, which the steady costs leave out)
+    ADAPTIVE_MARGIN = 0.10  # speculate only if the steady tokens per cost beat plain by more than this
+    # (measured costs on a shared machine scatter by about as much)
     ADAPTIVE_SAMPLES = 3  # steady rounds measured per (bucket, γ) before choosing
     ADAPTIVE_REMEASURE = 32  # while speculating, every N-th round starts re-measuring another γ
-    ADAPTIVE_PROBE_MAX = 1024  # while plain wins, the probe interval doubles from REMEASURE up to this
+    ADAPTIVE_PROBE_MAX = 1024  # while plain wins, the probe interval doubles from REMEASURE up to this (a due
+    # probe may then wait one more interval for an admission)
     ADAPTIVE_PROBE_ROUNDS = 1 + ADAPTIVE_SAMPLES  # a probe from plain: one catch-up round, then fresh samples
     ADAPTIVE_PROBE_BUDGET = 0.01  # probes may lose at most this share of the plain rounds between them
 
@@ -484,7 +487,7 @@ class Engine:
                 if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
         return statistics.median(self._cost_samples[(-min(near)[1], gamma)]) if near else None
 
-    def _depth_starts(self, slots: list[int], L: list[int], g: int) -> list[list[int]]:
+    def _depth_starts(self, slots: list[int], g: int) -> list[list[int]]:
         """b_k per depth and row: depth k starts at its first uncomputed position, or where depth k+1
         must start (depth k+1 reads depth k's output, or its carry, at its own first position)."""
         starts = [[0] * len(slots) for _ in range(g)]
@@ -501,7 +504,7 @@ class Engine:
         """Positions per row the depths 1..γ of a round run over (padded to the longest row, as the
         draft pass runs them): a few in a steady round, every lagging position in a catch-up."""
         L = [len(r.tokens) for r in reqs]
-        return sum(max(x - 1 - s for x, s in zip(L, st)) for st in self._depth_starts([r.slot for r in reqs], L, g))
+        return sum(max(x - 1 - s for x, s in zip(L, st)) for st in self._depth_starts([r.slot for r in reqs], g))
 
     def _position_cost(self, bk: int) -> float:
         """Cost of one more catch-up position per row, in plain rounds: (catch-up cost - steady cost
@@ -855,7 +858,7 @@ class Engine:
         L_l = [int(x) for x in (L.tolist() if isinstance(L, Tensor) else L)]
         B = len(slot_l)
         sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
-        starts = self._depth_starts(slot_l, L_l, g)
+        starts = self._depth_starts(slot_l, g)
         drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
         q_rows = []
         prev_out, prev_start, prev_N = None, None, 0
@@ -1027,6 +1030,7 @@ class Engine:
     def _release(self, r: Request, reason: dict) -> None:
         if r in self.running:
             self.running.remove(r)
+            self._spec_version += 1  # other rows: the horizon (a median) and the catch-up (a max) move
         if r.slot >= 0:
             self.free_slots.append(r.slot)
             r.slot = -1
