@@ -714,6 +714,6 @@ def test_adaptive_gamma_prices_the_catch_up_against_the_horizon(qwen3_dir):
     spans, step = [], eng.model.mtp_step
     eng.model.mtp_step = lambda k, h, ids, cache, b: spans.append(ids.shape[1]) or step(k, h, ids, cache, b)
     eng._speculative_round(sorted(reqs, key=lambda r: r.slot), 3)
-    assert len(spans) == 3 and sum(spans) == lag
+    assert len(spans) == 3 and sum(spans) == lag == eng._draft_positions  # what step() records as its work
     eng, reqs = engine_after_plain_rounds(max_new_tokens=50)
     assert eng._choose_gamma(4, reqs) == 0  # 9 tokens left: 9 x 0.67 + a ~12-round catch-up > 9

@@ -303,6 +303,7 @@ class Engine:
         self._just_admitted = False  # the next round follows a prefill: the depths lag least then
         self._plain_wins: Optional[tuple[int, int]] = None  # (bucket, version) where plain last won
         self._steady_work: dict[tuple[int, int], deque] = {}
+        self._draft_positions = 0  # set by each draft pass (Σ over depths of its padded span)
         # per γ, recent verify rounds' (tokens emitted, tokens the accepted chain would have given):
         # requests that stop or hit max_new_tokens inside a round waste the drafts past their end
         self._chain_yield: dict[int, deque] = {}
@@ -403,7 +404,6 @@ class Engine:
                 # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
                 # prefilled) also runs them over those (catch-up): not the steady cost of γ
                 steady = gamma <= self._current_depths
-                work = self._depth_work(decoding, gamma) if self.spec.adaptive and gamma else 0
                 t0 = self._clock()
                 if gamma:
                     self._speculative_round(decoding, gamma)
@@ -413,6 +413,7 @@ class Engine:
                 if self.gamma:
                     self.gamma_hist[gamma] += 1  # rounds run at each γ (fixed γ too)
                     if self.spec.adaptive:
+                        work = self._draft_positions if gamma else 0
                         self._record_cost(len(decoding), gamma, self._clock() - t0, steady, work)
                 self._current_depths = gamma
             if admitted:  # prefilled requests join the next round with no MTP depth computed yet
@@ -573,11 +574,9 @@ class Engine:
         # every round: the common case, plain winning at a large batch, stays cheap)
         per_token = {c: self._cost(bk, c) / max(self.effective_tokens(c), 1e-9) for c in range(1, g + 1)}
         per_token[0] = 1.0
-        switch: dict[int, float] = {}
-        best = min(per_token, key=per_token.get)
-        if best and per_token[best] * (1.0 + self.ADAPTIVE_MARGIN) > 1.0:
-            best = 0  # a predicted gain inside the measurement noise is not worth the risk
-        winners = [c for c in per_token if c and per_token[c] * (1.0 + self.ADAPTIVE_MARGIN) <= 1.0]
+        # a predicted gain inside the measurement noise is not worth the risk
+        winners = [c for c in range(1, g + 1) if per_token[c] * (1.0 + self.ADAPTIVE_MARGIN) <= 1.0]
+        best = min(winners, key=per_token.get, default=0)
         if best and reqs is not None and any(c > self._current_depths for c in winners):
             # the least predicted cost of the remaining tokens (horizon H), in plain rounds
             H = self._horizon(reqs)
@@ -859,6 +858,7 @@ class Engine:
         B = len(slot_l)
         sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
         starts = self._depth_starts(slot_l, g)
+        self._draft_positions = 0  # positions per row the depths run over (padded): prices the catch-up
         drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
         q_rows = []
         prev_out, prev_start, prev_N = None, None, 0
@@ -868,6 +868,7 @@ class Engine:
             start = starts[k - 1]
             n = [L_l[i] - 1 - start[i] for i in range(B)]
             N = max(n)
+            self._draft_positions += N
             # one host-built index tensor per depth: [hidden rows | token ids | last row | carry rows]
             if k == 1:  # trunk hidden at s (flat index into hid)
                 h_idx = [slot_l[i] * cl + min(start[i] + j, cl - 1) for i in range(B) for j in range(N)]
