@@ -324,7 +324,7 @@ class RLConfig:
     save_interval: int = 5
     exit_interval: int = 0  # stop (checkpointed) after this many steps in one invocation
     bench_speculation: bool = True  # end of run: rollout tokens/s with vs without speculation
-    bench_prompts: int = 32
+    bench_prompts: int = 32  # prompts in that benchmark; 0 skips it
 
     @property
     def strategy(self) -> MTPStrategy:
@@ -537,7 +537,7 @@ class Config:
             errors.append(f"rl.weight_sync must be tensor, disk or distributed, got {r.weight_sync!r}")
         if r.verify not in ("rejection", "target_only"):
             errors.append(f"rl.verify must be rejection or target_only, got {r.verify!r}")
-        for name in ("steps", "max_staleness", "eval_prompts", "save_interval", "exit_interval"):
+        for name in ("steps", "max_staleness", "eval_prompts", "save_interval", "exit_interval", "bench_prompts"):
             if getattr(r, name) < 0:
                 errors.append(f"rl.{name} must be >= 0")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "num_local_servers", "growmtp_topk",

@@ -109,6 +109,7 @@ def test_fp8_without_transformer_engine_is_a_clear_error():
     (["launch.rollout_gpus=5"], "3 trainer GPUs not divisible by TP\\*PP = 4"),
     (["rl.group_size=1"], "group_size must be >= 2"),
     (["rl.mtp_strategy=greedy"], "rl.mtp_strategy must be one of"),
+    (["rl.bench_prompts=-1"], "rl.bench_prompts must be >= 0"),
     (["rl.prompts_per_step=3", "rl.group_size=3"], "9 samples per step not divisible by micro_batch_size"),
     (["model.num_attention_heads=30"], "not divisible by TP 4"),
 ])

@@ -598,7 +598,7 @@ class RLTrainer:
         out["accept_rate_last_steps"] = float(np.mean([x.get("spec/accept_rate", 0) for x in lastn])) if lastn else None
         out["tokens_per_verify_last_steps"] = float(np.mean([x.get("spec/tokens_per_verify", 0) for x in lastn])) \
             if lastn else None
-        if self.cfg.rl.bench_speculation and self.gamma and self.last_buckets:
+        if self.cfg.rl.bench_speculation and self.cfg.rl.bench_prompts > 0 and self.gamma and self.last_buckets:
             self._stop_servers()  # the benchmark gets the machine to itself
             out["speculation_benchmark"] = speculation_benchmark(self.cfg, self.last_buckets, self.eval_prompts,
                                                                  self.tok)
