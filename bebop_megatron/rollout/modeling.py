@@ -527,19 +527,49 @@ class BatchIndex:
     span: int  # L: keys read per row
     slot_range: Optional[tuple[int, int]] = None  # (first, count) when slots are consecutive: caches read as views
     keep_states: bool = False  # linear-attention layers keep their state after every position (rollback)
+    host_max_position: Optional[int] = None  # the largest position, when the host knows it
+    _writes: dict = field(default_factory=dict, repr=False)  # cache length -> (slots, positions) to write at
+
+    def write_index(self, max_len: int) -> tuple[Tensor, Tensor]:
+        """(slots [B, N], positions [B, N] clamped to the cache): where every layer of a forward
+        writes its new keys and values, worked out once per forward, not once per layer."""
+        w = self._writes.get(max_len)
+        if w is None:
+            fits = self.host_max_position is not None and self.host_max_position < max_len
+            pos = self.positions if fits else self.positions.clamp(max=max_len - 1)
+            w = self._writes[max_len] = (self.slots[:, None].expand_as(pos), pos)
+        return w
+
+
+_ARANGE: dict = {}  # device -> arange(n): positions and keys are slices of it
+
+
+def _arange(n: int, device) -> Tensor:
+    key = str(device) if device is not None else "cpu"
+    a = _ARANGE.get(key)
+    if a is None or a.shape[0] < n:
+        a = _ARANGE[key] = torch.arange(max(n, 8192, 2 * (a.shape[0] if a is not None else 0)), device=device)
+    return a[:n]
 
 
 def make_batch_index(slots, starts, lengths, device=None, N: Optional[int] = None) -> BatchIndex:
     """Lists or tensors (on the model's device) of slots, first positions and new tokens per row.
 
-    Host lists are the fast path (the engine's): span, N and the slot range are worked out on the
-    host and the three rows go to the device as one tensor."""
+    Host lists are the fast path (the engine's): span, N, the slot range and the positions are
+    worked out on the host and go to the device as one tensor."""
+    host_max = None
     if not any(isinstance(t, Tensor) for t in (slots, starts, lengths)):
         slot_list, start_l, len_l = [int(x) for x in slots], [int(x) for x in starts], [int(x) for x in lengths]
-        meta = torch.tensor([slot_list, start_l, len_l], dtype=torch.long, device=device)
-        slots, start, lens = meta[0], meta[1], meta[2]
+        B = len(slot_list)
         N = max(len_l) if N is None else N
         span = max(s + n for s, n in zip(start_l, len_l))
+        flat = slot_list + start_l + len_l
+        for s in start_l:
+            flat.extend(range(s, s + N))
+        meta = torch.tensor(flat, dtype=torch.long, device=device)
+        slots, start, lens = meta[:B], meta[B: 2 * B], meta[2 * B: 3 * B]
+        positions = meta[3 * B:].view(B, N)
+        host_max = max(start_l) + N - 1
     else:
         if device is None:
             device = next((t.device for t in (slots, starts, lengths) if isinstance(t, Tensor)), None)
@@ -554,13 +584,13 @@ def make_batch_index(slots, starts, lengths, device=None, N: Optional[int] = Non
         if N is None:
             N = int(lens.max())
         span = int((start + lens).max())
-    positions = start[:, None] + torch.arange(N, device=device)[None, :]
-    keys = torch.arange(span, device=device)
+        positions = start[:, None] + _arange(N, device)[None, :]
+    keys = _arange(span, device)
     mask = keys[None, None, :] <= positions[:, :, None]  # causal within the slot
     rng = None
     if slot_list is not None and slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
         rng = (slot_list[0], len(slot_list))
-    return BatchIndex(slots, start, lens, positions, mask.unsqueeze(1), span, rng)
+    return BatchIndex(slots, start, lens, positions, mask.unsqueeze(1), span, rng, host_max_position=host_max)
 
 
 class LayerCache:
@@ -571,8 +601,7 @@ class LayerCache:
     def write_and_read(self, k: Tensor, v: Tensor, b: BatchIndex) -> tuple[Tensor, Tensor]:
         """Write every row's N new entries (padding included, clamped to the cache), read the
         first ``span`` keys of each row's slot: a view when the slots are consecutive."""
-        pos = b.positions.clamp(max=self.k.shape[2] - 1)
-        sl = b.slots[:, None].expand_as(pos)
+        sl, pos = b.write_index(self.k.shape[2])
         # k: [B, N, kv, hd] -> cache[slot, :, pos] takes [B, N, kv, hd] with advanced indices first
         self.k.permute(0, 2, 1, 3).index_put_((sl, pos), k.to(self.k.dtype))
         self.v.permute(0, 2, 1, 3).index_put_((sl, pos), v.to(self.v.dtype))
