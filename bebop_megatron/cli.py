@@ -64,6 +64,9 @@ def _rl(args) -> int:
         print(f"  held-out reward: {s.get('reward_before', float('nan')):.3f} -> {s.get('reward_after', float('nan')):.3f} "
               f"(exact answers {s.get('exact_before', float('nan')):.3f} -> {s.get('exact_after', float('nan')):.3f}, "
               f"{cfg.rl.eval_prompts} prompts)")
+        fb, fa = s.get("eval_exact_by_task_before") or {}, s.get("eval_exact_by_task_after") or {}
+        if fa:
+            print("  per family: " + ", ".join(f"{t} {fb.get(t, float('nan')):.3f} -> {x:.3f}" for t, x in fa.items()))
         if s.get("train_reward_first_step") is not None:
             print(f"  training reward: {s['train_reward_first_step']:.3f} (first step) -> "
                   f"{s['train_reward_last_steps']:.3f} (mean of the last steps)")

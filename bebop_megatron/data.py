@@ -67,6 +67,12 @@ def synthetic_problem(rng: random.Random, task: str = "mixed") -> tuple[str, str
     ``mixed`` for all three, or a comma list such as ``counting,sorting``), or ``worked`` (multi-term
     addition with every partial sum written out: long answers of varied length, for rollout-bound
     RL jobs; not part of ``mixed``)."""
+    return synthetic_problem_of_kind(rng, task)[1:]
+
+
+def synthetic_problem_of_kind(rng: random.Random, task: str = "mixed") -> tuple[str, str, str]:
+    """(family, prompt, answer): :func:`synthetic_problem` with the family it drew (for per-family
+    metrics); the same random draws, so the same problems."""
     if task == "mixed":
         kind = rng.choice(["arithmetic", "sorting", "counting"])
     elif "," in task:
@@ -77,10 +83,10 @@ def synthetic_problem(rng: random.Random, task: str = "mixed") -> tuple[str, str
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         op = rng.choice("+-*")
         val = a + b if op == "+" else a - b if op == "-" else a * b
-        return f"{a}{op}{b}=", str(val)
+        return kind, f"{a}{op}{b}=", str(val)
     if kind == "sorting":
         xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
-        return "sort " + " ".join(map(str, xs)) + ":", " ".join(map(str, sorted(xs)))
+        return kind, "sort " + " ".join(map(str, xs)) + ":", " ".join(map(str, sorted(xs)))
     if kind == "worked":
         # worked multi-term addition: the answer shows every partial sum, so its length (about 20 to 90
         # characters) varies with the number of terms; a rollout batch gets a long tail (issue #12)
@@ -89,11 +95,11 @@ def synthetic_problem(rng: random.Random, task: str = "mixed") -> tuple[str, str
         for t in terms[1:]:
             steps.append(f"{acc}+{t}={acc + t}")
             acc += t
-        return "add " + " ".join(map(str, terms)) + ":", ",".join(steps)
+        return kind, "add " + " ".join(map(str, terms)) + ":", ",".join(steps)
     if kind == "counting":
         letters = "".join(rng.choice("abc") for _ in range(rng.randint(3, 8)))
         target = rng.choice("abc")
-        return f"count {target} in {letters}:", str(letters.count(target))
+        return kind, f"count {target} in {letters}:", str(letters.count(target))
     raise DataError(f"unknown synthetic task {kind!r}")
 
 

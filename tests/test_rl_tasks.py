@@ -27,3 +27,38 @@ def test_worked_arithmetic_is_correct_long_and_varied():
     t = make_tasks(3, 1, "worked")[0]
     assert synthetic_reward(t.answer + ";", t.answer) == 1.0
     assert "add" not in {synthetic_problem(random.Random(i), "mixed")[0][:3] for i in range(50)}  # opt-in only
+
+
+def test_tasks_carry_their_family_and_metrics_report_each_family(tmp_path):
+    """A task mixture's reward is reported per family (the batch's mix moves the pooled reward by
+    ±0.1 from step to step); the family changes no problem: the same draws give the same prompts."""
+    from bebop_megatron.rl.metrics import rollout_metrics
+    from bebop_megatron.rl.rollout import by_task, load_prompts
+    from bebop_megatron.rl.types import RolloutBatch, Sample
+
+    tasks = make_tasks(40, 3, "counting,sorting")
+    rng = random.Random(3)
+    assert [(t.prompt, t.answer) for t in tasks] == [synthetic_problem(rng, "counting,sorting") for _ in range(40)]
+    assert {t.kind for t in tasks} == {"counting", "sorting"}
+    assert all(t.prompt.startswith("count " if t.kind == "counting" else "sort ") for t in tasks)
+
+    def sample(task, reward):
+        return Sample(prompt_index=0, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], reward=reward,
+                      truncated=False, weight_version=0, task=task)
+
+    ss = [sample("sorting", 1.0), sample("sorting", 0.0), sample("counting", 1.0), sample("", 0.0)]
+    m = rollout_metrics(RolloutBatch(step=0, samples=ss, prompt_indices=[0], seconds=1.0), 0, gamma=0)
+    assert m["rollout/reward/sorting"] == 0.5 and m["rollout/reward/counting"] == 1.0
+    assert m["rollout/reward"] == 0.5 and list(by_task(ss)) == ["counting", "sorting"]
+    one = rollout_metrics(RolloutBatch(step=0, samples=ss[:2], prompt_indices=[0], seconds=1.0), 0, gamma=0)
+    assert not any(k.startswith("rollout/reward/") for k in one)  # one family: nothing to split
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "2", "task": "add"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    assert [p.task for p in load_prompts(f, "synthetic")] == ["add", ""]
+    f.write_text('{"prompt": "1+1=", "answer": "2", "task": 3}\n')
+    import pytest
+
+    from bebop_megatron.data import DataError
+    with pytest.raises(DataError, match="'task' must be a string"):
+        load_prompts(f, "synthetic")

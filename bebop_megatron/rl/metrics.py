@@ -33,6 +33,12 @@ def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int) -> dict:
          "rollout/tokens_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
          "rollout/staleness_mean": float(np.mean(stale)), "rollout/staleness_max": float(max(stale)),
          "rollout/retries": float(batch.retries)}
+    fams = {}
+    for s in ss:
+        if s.task:
+            fams.setdefault(s.task, []).append(s.reward)
+    if len(fams) > 1:  # a task mixture: the batch's mix moves the pooled reward, a family's own reward less
+        m.update({f"rollout/reward/{t}": float(np.mean(r)) for t, r in sorted(fams.items())})
     verify = sum(s.verify_ct for s in ss)
     if verify:
         acc, prop = sum(s.accepted for s in ss), sum(s.proposed for s in ss)

@@ -78,13 +78,20 @@ def plot_curves(rows: list[dict], out_dir: Path) -> dict:
         pts = [(s, r[key]) for s, r in zip(steps, rows) if isinstance(r.get(key), (int, float))]
         if pts:
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, ".-", lw=1)
+            fams = sorted({k for r in rows for k in r if k.startswith("rollout/reward/")}) \
+                if key == "rollout/reward" else []
+            ax.plot(xs, ys, ".-", lw=1, label="all" if fams else None)
             if key == "rollout/reward":
+                for fk in fams:  # a task mixture: each family's own reward (the batch mix moves the pooled one)
+                    fp = [(s, r[fk]) for s, r in zip(steps, rows) if isinstance(r.get(fk), (int, float))]
+                    if fp:
+                        ax.plot(*zip(*fp), "-", lw=0.8, alpha=0.6, label=fk.rsplit("/", 1)[1])
                 f = trend_fit(list(xs), list(ys))
                 if f["slope"] is not None:
                     xm = np.mean(xs)
                     ax.plot(xs, [np.mean(ys) + f["slope"] * (x - xm) for x in xs], "r--",
                             label=f"slope {f['slope']:.4f} ± {f['se']:.4f}/step")
+                if fams or f["slope"] is not None:
                     ax.legend(loc="best", fontsize=8)
             if key == "policy/entropy" and any("entrocraft/low" in r for r in rows):
                 band = [(s, r["entrocraft/low"], r["entrocraft/high"]) for s, r in zip(steps, rows)

@@ -40,7 +40,10 @@ def load_prompts(path: str | Path, reward: str) -> list[Prompt]:
     for lineno, rec in iter_jsonl(path):
         if not isinstance(rec.get("prompt"), str) or key not in rec:
             raise DataError(f"{path}:{lineno}: needs a string 'prompt' and '{key}'")
-        out.append(Prompt(text=rec["prompt"], answer=rec[key]))
+        task = rec.get("task", "")
+        if not isinstance(task, str):
+            raise DataError(f"{path}:{lineno}: 'task' must be a string (the prompt's family)")
+        out.append(Prompt(text=rec["prompt"], answer=rec[key], task=task))
     if not out:
         raise DataError(f"{path}: no prompts")
     return out
@@ -73,14 +76,24 @@ def build_prompts(cfg, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     else:
         from bebop_megatron.rl.rewards.synthetic import make_tasks
 
-        train = [Prompt(text=t.prompt, answer=t.answer) for t in make_tasks(4096, cfg.train.seed + 17, r.task)]
-        evals = [Prompt(text=t.prompt, answer=t.answer)
+        train = [Prompt(text=t.prompt, answer=t.answer, task=t.kind)
+                 for t in make_tasks(4096, cfg.train.seed + 17, r.task)]
+        evals = [Prompt(text=t.prompt, answer=t.answer, task=t.kind)
                  for t in make_tasks(r.eval_prompts, cfg.train.seed + 29, r.task)]
     longest = max(len(tokenizer.encode(p.text)) for p in train + evals)
     if longest + r.max_new_tokens + 1 > cfg.data.seq_length:
         raise DataError(f"the longest prompt ({longest} tokens) + rl.max_new_tokens ({r.max_new_tokens}) does "
                         f"not fit data.seq_length {cfg.data.seq_length}")
     return train, evals
+
+
+def by_task(samples: list) -> dict[str, list]:
+    """Samples grouped by their prompt's family (those without one are left out), families sorted."""
+    out: dict[str, list] = {}
+    for s in samples:
+        if s.task:
+            out.setdefault(s.task, []).append(s)
+    return dict(sorted(out.items()))
 
 
 def reward_fn(kind: str) -> Callable[[str, Any], float]:
@@ -140,6 +153,9 @@ class RolloutManager:
         n = len(ss)
         out = {"reward": sum(s.reward for s in ss) / n, "exact": sum(s.reward >= 1.0 for s in ss) / n,
                "response_len": sum(len(s.response_ids) for s in ss) / n}
+        fams = by_task(ss)
+        if len(fams) > 1:  # a mixture: say which family moved
+            out["exact_by_task"] = {t: sum(s.reward >= 1.0 for s in g) / len(g) for t, g in fams.items()}
         verify = sum(s.verify_ct for s in ss)
         if verify:  # the draft heads on these prompts (same seeds before and after RL)
             out["accept_rate"] = sum(s.accepted for s in ss) / max(sum(s.proposed for s in ss), 1)
@@ -184,7 +200,7 @@ class RolloutManager:
                       verify_ct=meta.spec.verify_ct, accepted=meta.spec.accepted, proposed=meta.spec.proposed,
                       accepted_per_depth=meta.accepted_per_depth, spec_records=meta.spec_records,
                       reached_per_depth=[int(x) for x in reached], verify_tokens=meta.spec.verify_tokens,
-                      plain_rounds=meta.spec.plain_rounds, gamma_sum=meta.spec.gamma_sum)
+                      plain_rounds=meta.spec.plain_rounds, gamma_sum=meta.spec.gamma_sum, task=prompt.task)
 
     # --------------------------------------------------------------- weights
     def sync_tensors(self, buckets: Iterable[dict], version: int, expect_mtp: bool) -> dict:

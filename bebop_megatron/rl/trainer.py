@@ -525,12 +525,16 @@ class RLTrainer:
         ev = self.manager.evaluate(self.eval_prompts)
         self.summary[f"reward_{when}"], self.summary[f"exact_{when}"] = ev["reward"], ev["exact"]
         self.summary.update({f"eval_{k}_{when}": v for k, v in ev.items() if k not in ("reward", "exact")})
+        fams = ev.get("exact_by_task") or {}
         if when == "before":
-            self._log(f"held-out reward before RL: {ev['reward']:.3f}, exact answers {ev['exact']:.3f} "
+            per = "".join(f", {t} {x:.3f}" for t, x in fams.items())
+            self._log(f"held-out reward before RL: {ev['reward']:.3f}, exact answers {ev['exact']:.3f}{per} "
                       f"({len(self.eval_prompts)} prompts)")
         else:
+            before = self.summary.get("eval_exact_by_task_before") or {}
+            per = "".join(f", {t} {before.get(t, float('nan')):.3f} -> {x:.3f}" for t, x in fams.items())
             self._log(f"held-out reward after RL: {ev['reward']:.3f}, exact answers "
-                      f"{self.summary['exact_before']:.3f} -> {ev['exact']:.3f}; draft acceptance on the same "
+                      f"{self.summary['exact_before']:.3f} -> {ev['exact']:.3f}{per}; draft acceptance on the same "
                       f"prompts {self.summary.get('eval_accept_rate_before', float('nan')):.3f} -> "
                       f"{ev.get('accept_rate', float('nan')):.3f}")
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class Prompt:
     text: str
     answer: Any  # str (synthetic/math) or tests (code)
+    task: str = ""  # its family (synthetic kind, or a JSONL "task"): rewards are also reported per family
 
 
 @dataclass(kw_only=True)
@@ -49,6 +50,7 @@ class Sample:
     verify_tokens: int | None = None
     plain_rounds: int = 0  # adaptive γ: rounds decoded plainly
     gamma_sum: int = 0  # Σ γ over the verify steps
+    task: str = ""  # the prompt's family (Prompt.task)
 
     @property
     def emitted_by_verify(self) -> int:

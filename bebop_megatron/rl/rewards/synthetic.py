@@ -6,18 +6,23 @@ import random
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 
-from bebop_megatron.data import synthetic_problem
+from bebop_megatron.data import synthetic_problem_of_kind
 
 
 @dataclass(frozen=True)
 class SyntheticTask:
     prompt: str
     answer: str
+    kind: str = ""  # the family (arithmetic, sorting, counting, worked)
 
 
 def make_tasks(n: int, seed: int, kind: str = "mixed") -> list[SyntheticTask]:
     rng = random.Random(seed)
-    return [SyntheticTask(*synthetic_problem(rng, kind)) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        family, prompt, answer = synthetic_problem_of_kind(rng, kind)
+        out.append(SyntheticTask(prompt, answer, family))
+    return out
 
 
 def synthetic_reward(completion: str, answer: str) -> float:
