@@ -76,6 +76,9 @@ def _rl(args) -> int:
         tr = s.get("train_reward_trend")
         if tr and tr.get("slope") is not None:
             print(f"  training reward trend: {tr['slope']:+.4f} ± {tr['se']:.4f} per step (OLS slope ± SE, n={tr['n']})")
+            per = {t: f for t, f in (s.get("train_reward_trend_by_task") or {}).items() if f.get("slope") is not None}
+            if per:
+                print("  ... per family: " + ", ".join(f"{t} {f['slope']:+.4f} ± {f['se']:.4f}" for t, f in per.items()))
         fit, part = s.get("acceptance_vs_entropy_fit"), s.get("acceptance_vs_entropy_partial")
         if fit and fit.get("slope") is not None:
             print(f"  acceptance vs entropy: slope {fit['slope']:.3f}, r² {fit['r2']:.2f} "

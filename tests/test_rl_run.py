@@ -77,7 +77,8 @@ def test_sync_run_exit_and_resume(tmp_path):
 
 
 def test_async_run_respects_staleness_bound(tmp_path):
-    cfg = write_config(tmp_path, mode="async", max_staleness=1, steps=4, mtp_strategy="online")
+    cfg = write_config(tmp_path, mode="async", max_staleness=1, steps=4, mtp_strategy="online",
+                       task="counting,sorting", eval_prompts=8)
     r = bebop_rl(cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(tmp_path / "run")
@@ -85,6 +86,16 @@ def test_async_run_respects_staleness_bound(tmp_path):
     assert max(x["rollout/staleness_max"] for x in rows) <= 1
     assert any(x["rollout/staleness_max"] == 1 for x in rows[1:])  # generation did overlap training
     assert all("mtp_online/loss" in x for x in rows)
+    # a task mixture is also reported per family: held-out exact answers, the console, the trend
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    _, evals = build_prompts(Config.load(cfg), load_tokenizer("char"))
+    fams = {p.task for p in evals}
+    assert fams == {"counting", "sorting"}
+    assert set(summary["eval_exact_by_task_before"]) == set(summary["eval_exact_by_task_after"]) == fams
+    assert "per family: counting" in r.stdout
+    mixed = [x for x in rows if "rollout/reward/counting" in x]  # steps whose prompts hold both families (seeded)
+    assert all("rollout/reward/sorting" in x for x in mixed)
+    assert mixed and set(summary["train_reward_trend_by_task"]) == {"counting", "sorting"}
 
 
 def test_killed_trainer_resumes_without_duplicated_or_skipped_steps(tmp_path):

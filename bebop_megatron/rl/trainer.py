@@ -586,6 +586,11 @@ class RLTrainer:
         out.update(acceptance_vs_entropy(rows, self.out))
         out.update(plot_curves(rows, self.out))
         out["train_reward_trend"] = trend_fit([x["step"] for x in rows], [x["rollout/reward"] for x in rows])
+        fams = sorted({k for x in rows for k in x if k.startswith("rollout/reward/")})
+        if fams:  # the pooled trend carries the batches' task mix; each family's own trend does not
+            out["train_reward_trend_by_task"] = {
+                k.rsplit("/", 1)[1]: trend_fit([x["step"] for x in rows if k in x], [x[k] for x in rows if k in x])
+                for k in fams}
         t_step = sum(x.get("time/step", 0.0) for x in rows)
         if t_step > 0:  # the share of the trainer's step time spent waiting for rollouts
             out["rollout_share_of_step_time"] = sum(x.get("time/rollout_wait", 0.0) for x in rows) / t_step
