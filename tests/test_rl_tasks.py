@@ -47,11 +47,14 @@ def test_tasks_carry_their_family_and_metrics_report_each_family(tmp_path):
                       truncated=False, weight_version=0, task=task)
 
     ss = [sample("sorting", 1.0), sample("sorting", 0.0), sample("counting", 1.0), sample("", 0.0)]
-    m = rollout_metrics(RolloutBatch(step=0, samples=ss, prompt_indices=[0], seconds=1.0), 0, gamma=0)
+    m = rollout_metrics(RolloutBatch(step=0, samples=ss, prompt_indices=[0], seconds=1.0), 0, gamma=0, per_task=True)
     assert m["rollout/reward/sorting"] == 0.5 and m["rollout/reward/counting"] == 1.0
     assert m["rollout/reward"] == 0.5 and list(by_task(ss)) == ["counting", "sorting"]
-    one = rollout_metrics(RolloutBatch(step=0, samples=ss[:2], prompt_indices=[0], seconds=1.0), 0, gamma=0)
-    assert not any(k.startswith("rollout/reward/") for k in one)  # one family: nothing to split
+    # a batch that drew one family of a mixture still reports it; a run of one family reports none
+    one = rollout_metrics(RolloutBatch(step=0, samples=ss[:2], prompt_indices=[0], seconds=1.0), 0, gamma=0, per_task=True)
+    assert one["rollout/reward/sorting"] == 0.5 and "rollout/reward/counting" not in one
+    assert not any(k.startswith("rollout/reward/") for k in rollout_metrics(
+        RolloutBatch(step=0, samples=ss, prompt_indices=[0], seconds=1.0), 0, gamma=0))
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "1+1=", "answer": "2", "task": "add"}\n{"prompt": "2+2=", "answer": "4"}\n')

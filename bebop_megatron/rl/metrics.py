@@ -17,13 +17,14 @@ import numpy as np
 from bebop_megatron.rl.types import RolloutBatch
 
 
-def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int) -> dict:
+def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int, per_task: bool = False) -> dict:
     """Reward, length, staleness and speculation statistics of one rollout batch.
 
     Acceptance has one definition (issue #11): accepted / drafts that could be emitted (the engine's
     "proposed"); tokens per verify = tokens emitted by verify steps (not the prefill's first token) /
     verify steps; ``spec/accept_depth_k`` is conditional on reaching depth k; ``spec/mean_gamma`` is
-    the mean number of drafts per decode round (adaptive γ: plain rounds count as 0)."""
+    the mean number of drafts per decode round (adaptive γ: plain rounds count as 0). ``per_task``
+    (the run's prompts mix several families): also ``rollout/reward/<task>`` for each family in the batch."""
     ss = batch.samples
     rewards = [s.reward for s in ss]
     stale = [step_version - s.weight_version for s in ss]
@@ -33,11 +34,11 @@ def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int) -> dict:
          "rollout/tokens_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
          "rollout/staleness_mean": float(np.mean(stale)), "rollout/staleness_max": float(max(stale)),
          "rollout/retries": float(batch.retries)}
-    fams = {}
-    for s in ss:
-        if s.task:
-            fams.setdefault(s.task, []).append(s.reward)
-    if len(fams) > 1:  # a task mixture: the batch's mix moves the pooled reward, a family's own reward less
+    if per_task:  # a task mixture: the batch's mix moves the pooled reward, a family's own reward less
+        fams: dict[str, list[float]] = {}
+        for s in ss:
+            if s.task:
+                fams.setdefault(s.task, []).append(s.reward)
         m.update({f"rollout/reward/{t}": float(np.mean(r)) for t, r in sorted(fams.items())})
     verify = sum(s.verify_ct for s in ss)
     if verify:

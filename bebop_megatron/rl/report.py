@@ -85,7 +85,7 @@ def plot_curves(rows: list[dict], out_dir: Path) -> dict:
                 for fk in fams:  # a task mixture: each family's own reward (the batch mix moves the pooled one)
                     fp = [(s, r[fk]) for s, r in zip(steps, rows) if isinstance(r.get(fk), (int, float))]
                     if fp:
-                        ax.plot(*zip(*fp), "-", lw=0.8, alpha=0.6, label=fk.rsplit("/", 1)[1])
+                        ax.plot(*zip(*fp), "-", lw=0.8, alpha=0.6, label=fk.removeprefix("rollout/reward/"))
                 f = trend_fit(list(xs), list(ys))
                 if f["slope"] is not None:
                     xm = np.mean(xs)

@@ -267,6 +267,7 @@ class RLTrainer:
         if not self.is_rank0:
             return
         self.train_prompts, self.eval_prompts = build_prompts(self.cfg, self.tok)
+        self.per_task = len({p.task for p in self.train_prompts if p.task}) > 1  # report each family's reward
         urls = list(r.servers)
         if not urls:
             from bebop_megatron.convert.hf_megatron import write_hf_folder
@@ -493,7 +494,7 @@ class RLTrainer:
                 if self.is_rank0:
                     if r.mode == "async":  # the next batches may start before this step's log is written
                         self._submit_ahead()
-                    metrics.update(rollout_metrics(batch, version, self.gamma))
+                    metrics.update(rollout_metrics(batch, version, self.gamma, per_task=self.per_task))
                     metrics.update({"time/rollout_wait": t_wait, "time/rollout_gen": batch.seconds,
                                     "time/train": t_train, "time/sync": t_sync, "time/step": time.time() - t0})
                     self.metric_logger.log(self.step, metrics, batch.prompt_indices)
@@ -589,7 +590,7 @@ class RLTrainer:
         fams = sorted({k for x in rows for k in x if k.startswith("rollout/reward/")})
         if fams:  # the pooled trend carries the batches' task mix; each family's own trend does not
             out["train_reward_trend_by_task"] = {
-                k.rsplit("/", 1)[1]: trend_fit([x["step"] for x in rows if k in x], [x[k] for x in rows if k in x])
+                k.removeprefix("rollout/reward/"): trend_fit([x["step"] for x in rows if k in x], [x[k] for x in rows if k in x])
                 for k in fams}
         t_step = sum(x.get("time/step", 0.0) for x in rows)
         if t_step > 0:  # the share of the trainer's step time spent waiting for rollouts

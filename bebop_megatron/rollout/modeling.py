@@ -528,7 +528,7 @@ class BatchIndex:
     slot_range: Optional[tuple[int, int]] = None  # (first, count) when slots are consecutive: caches read as views
     keep_states: bool = False  # linear-attention layers keep their state after every position (rollback)
     host_max_position: Optional[int] = None  # the largest position, when the host knows it
-    _writes: dict = field(default_factory=dict, repr=False)  # cache length -> (slots, positions) to write at
+    _writes: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # cache length -> (slots, positions) to write at
 
     def write_index(self, max_len: int) -> tuple[Tensor, Tensor]:
         """(slots [B, N], positions [B, N] clamped to the cache): where every layer of a forward
