@@ -14,7 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-from bebop_megatron.rl.types import RolloutBatch
+from bebop_megatron.rl.types import RolloutBatch, by_task
+
+TASK_REWARD = "rollout/reward/"  # + family: a task mixture's per-family training reward
 
 
 def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int, per_task: bool = False) -> dict:
@@ -35,11 +37,7 @@ def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int, per_task
          "rollout/staleness_mean": float(np.mean(stale)), "rollout/staleness_max": float(max(stale)),
          "rollout/retries": float(batch.retries)}
     if per_task:  # a task mixture: the batch's mix moves the pooled reward, a family's own reward less
-        fams: dict[str, list[float]] = {}
-        for s in ss:
-            if s.task:
-                fams.setdefault(s.task, []).append(s.reward)
-        m.update({f"rollout/reward/{t}": float(np.mean(r)) for t, r in sorted(fams.items())})
+        m.update({TASK_REWARD + t: float(np.mean([s.reward for s in g])) for t, g in by_task(ss).items()})
     verify = sum(s.verify_ct for s in ss)
     if verify:
         acc, prop = sum(s.accepted for s in ss), sum(s.proposed for s in ss)
@@ -59,6 +57,13 @@ def rollout_metrics(batch: RolloutBatch, step_version: int, gamma: int, per_task
         drafted = sum(s.gamma_sum if (s.gamma_sum or s.plain_rounds) else gamma * s.verify_ct for s in ss)
         m["spec/mean_gamma"] = drafted / rounds
     return m
+
+
+def task_reward_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
+    """family -> (steps, training rewards) from metrics rows, for the steps that drew it; families sorted."""
+    fams = sorted({k for r in rows for k in r if k.startswith(TASK_REWARD)})
+    return {k.removeprefix(TASK_REWARD): ([r["step"] for r in rows if k in r], [r[k] for r in rows if k in r])
+            for k in fams}
 
 
 def console_line(step: int, total: int, m: dict) -> str:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bebop_megatron.rl.metrics import task_reward_series
+
 
 def linear_fit(x: list[float], y: list[float]) -> dict:
     """Least squares y = slope * x + intercept, with r^2 (None when x has no spread)."""
@@ -78,14 +80,11 @@ def plot_curves(rows: list[dict], out_dir: Path) -> dict:
         pts = [(s, r[key]) for s, r in zip(steps, rows) if isinstance(r.get(key), (int, float))]
         if pts:
             xs, ys = zip(*pts)
-            fams = sorted({k for r in rows for k in r if k.startswith("rollout/reward/")}) \
-                if key == "rollout/reward" else []
+            fams = task_reward_series(rows) if key == "rollout/reward" else {}
             ax.plot(xs, ys, ".-", lw=1, label="all" if fams else None)
             if key == "rollout/reward":
-                for fk in fams:  # a task mixture: each family's own reward (the batch mix moves the pooled one)
-                    fp = [(s, r[fk]) for s, r in zip(steps, rows) if isinstance(r.get(fk), (int, float))]
-                    if fp:
-                        ax.plot(*zip(*fp), "-", lw=0.8, alpha=0.6, label=fk.removeprefix("rollout/reward/"))
+                for t, (fs, fy) in fams.items():  # a task mixture: each family's own reward (the mix moves the pooled one)
+                    ax.plot(fs, fy, "-", lw=0.8, alpha=0.6, label=t)
                 f = trend_fit(list(xs), list(ys))
                 if f["slope"] is not None:
                     xm = np.mean(xs)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from bebop_megatron.data import DataError, iter_jsonl
-from bebop_megatron.rl.types import Prompt, RolloutBatch, Sample  # noqa: F401 (also importable from here)
+from bebop_megatron.rl.types import Prompt, RolloutBatch, Sample, by_task  # noqa: F401 (also importable from here)
 from bebop_megatron.rollout import protocol
 from bebop_megatron.rollout.bridge import RolloutBridge, RolloutError
 
@@ -85,15 +85,6 @@ def build_prompts(cfg, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
         raise DataError(f"the longest prompt ({longest} tokens) + rl.max_new_tokens ({r.max_new_tokens}) does "
                         f"not fit data.seq_length {cfg.data.seq_length}")
     return train, evals
-
-
-def by_task(samples: list) -> dict[str, list]:
-    """Samples grouped by their prompt's family (those without one are left out), families sorted."""
-    out: dict[str, list] = {}
-    for s in samples:
-        if s.task:
-            out.setdefault(s.task, []).append(s)
-    return dict(sorted(out.items()))
 
 
 def reward_fn(kind: str) -> Callable[[str, Any], float]:

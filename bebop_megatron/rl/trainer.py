@@ -41,7 +41,7 @@ from bebop_megatron.parallel import initialize_distributed
 from bebop_megatron.rl.batch import PreparedBatch, prepare_batch
 from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
 from bebop_megatron.rl.grpo import policy_loss, tis_weights
-from bebop_megatron.rl.metrics import MetricsLogger, read_metrics, rollout_metrics
+from bebop_megatron.rl.metrics import MetricsLogger, read_metrics, rollout_metrics, task_reward_series
 from bebop_megatron.rl.policy_forward import RLForward
 from bebop_megatron.rl.types import RLMicroBatch, RolloutBatch
 
@@ -587,11 +587,9 @@ class RLTrainer:
         out.update(acceptance_vs_entropy(rows, self.out))
         out.update(plot_curves(rows, self.out))
         out["train_reward_trend"] = trend_fit([x["step"] for x in rows], [x["rollout/reward"] for x in rows])
-        fams = sorted({k for x in rows for k in x if k.startswith("rollout/reward/")})
-        if fams:  # the pooled trend carries the batches' task mix; each family's own trend does not
-            out["train_reward_trend_by_task"] = {
-                k.removeprefix("rollout/reward/"): trend_fit([x["step"] for x in rows if k in x], [x[k] for x in rows if k in x])
-                for k in fams}
+        per_task = task_reward_series(rows)
+        if per_task:  # the pooled trend carries the batches' task mix; each family's own trend does not
+            out["train_reward_trend_by_task"] = {t: trend_fit(xs, ys) for t, (xs, ys) in per_task.items()}
         t_step = sum(x.get("time/step", 0.0) for x in rows)
         if t_step > 0:  # the share of the trainer's step time spent waiting for rollouts
             out["rollout_share_of_step_time"] = sum(x.get("time/rollout_wait", 0.0) for x in rows) / t_step

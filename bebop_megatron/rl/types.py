@@ -57,6 +57,15 @@ class Sample:
         return tokens_from_verify(self.verify_tokens, len(self.response_ids), self.verify_ct)
 
 
+def by_task(samples: list[Sample]) -> dict[str, list[Sample]]:
+    """Samples grouped by their prompt's family (those without one are left out), families sorted."""
+    out: dict[str, list[Sample]] = {}
+    for s in samples:
+        if s.task:
+            out.setdefault(s.task, []).append(s)
+    return dict(sorted(out.items()))
+
+
 @dataclass(kw_only=True)
 class RolloutBatch:
     step: int
