@@ -52,7 +52,9 @@ def test_weight_sync_while_generating_keeps_versions_atomic(tmp_path):
     servers = start_local_servers(tmp_path / "hf", 1, ["--speculative-algorithm", "MTP", "--speculative-num-steps",
                                                        "2", "--weight-version", "0"], log_dir=tmp_path / "logs")
     cfg = Config()
-    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 4, 4, 64
+    # 64 requests of up to 256 tokens: the batch lasts long enough for the sync to catch most of them
+    # in flight; 16 requests of 64 tokens could all finish (0.24 s) before the sync reached the server
+    cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 16, 4, 256
     mgr = RolloutManager([s.url for s in servers], cfg, CharTokenizer(), [Prompt(text="1+1=", answer="2")] * 8)
     try:
         weights = {}
@@ -64,7 +66,7 @@ def test_weight_sync_while_generating_keeps_versions_atomic(tmp_path):
         res = mgr.sync_tensors([weights], 1, expect_mtp=True)
         assert res["servers"] == 1 and not res["failed"]
         batch = fut.result(timeout=300)
-        assert len(batch.samples) == 16
+        assert len(batch.samples) == 64
         assert {s.weight_version for s in batch.samples} <= {0, 1}
         # a sample either finished before the pause (v0), or was aborted by the pause and re-sent
         # (a retry), or arrived during the pause and was held until it ended: both run under v1
