@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 from bebop_megatron.config import Config
 from bebop_megatron.data import CharTokenizer
@@ -10,6 +12,12 @@ from bebop_megatron.rl.rollout import RolloutManager
 from bebop_megatron.rl.types import Prompt
 from bebop_megatron.rollout.local_servers import start_local_servers
 from tests.tiny_models import make_hf_checkpoint
+
+
+def _running_reqs(url: str) -> int:
+    """Requests the server is decoding now (SGLang's ``/v1/loads``)."""
+    with urllib.request.urlopen(f"{url}/v1/loads", timeout=10) as r:
+        return sum(x["num_running_reqs"] for x in json.load(r)["loads"])
 
 
 def test_rollout_server_killed_mid_batch_loses_no_sample(tmp_path):
@@ -61,8 +69,12 @@ def test_weight_sync_while_generating_keeps_versions_atomic(tmp_path):
         for f in sorted((tmp_path / "hf").glob("*.safetensors")):
             weights.update(load_file(str(f)))
         fut = mgr.submit(0)
-        while not mgr.bridge.servers[0].inflight:
-            time.sleep(0.01)
+        # wait until the server itself is decoding this batch (the client's in-flight count only says
+        # that requests were sent: a sync could reach the server first and hold them all, retrying none)
+        deadline = time.time() + 60
+        while time.time() < deadline and _running_reqs(servers[0].url) < 8:
+            time.sleep(0.005)
+        assert _running_reqs(servers[0].url) >= 8, "the batch never started decoding"
         res = mgr.sync_tensors([weights], 1, expect_mtp=True)
         assert res["servers"] == 1 and not res["failed"]
         batch = fut.result(timeout=300)
