@@ -71,10 +71,10 @@ def test_weight_sync_while_generating_keeps_versions_atomic(tmp_path):
         fut = mgr.submit(0)
         # wait until the server itself is decoding this batch (the client's in-flight count only says
         # that requests were sent: a sync could reach the server first and hold them all, retrying none)
-        deadline = time.time() + 60
-        while time.time() < deadline and _running_reqs(servers[0].url) < 8:
+        deadline, running = time.time() + 60, 0
+        while time.time() < deadline and (running := _running_reqs(servers[0].url)) < 8:
             time.sleep(0.005)
-        assert _running_reqs(servers[0].url) >= 8, "the batch never started decoding"
+        assert running >= 8, "the batch never started decoding"
         res = mgr.sync_tensors([weights], 1, expect_mtp=True)
         assert res["servers"] == 1 and not res["failed"]
         batch = fut.result(timeout=300)
