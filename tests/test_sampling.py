@@ -15,6 +15,7 @@ from bebop_megatron.rollout.sampling import (
     reduced_draft_probs,
     reduced_draft_probs_reference,
     sample_rows,
+    round_uniforms,
     sample_with_uniform,
     verify_chain,
 )
@@ -413,3 +414,18 @@ def test_reduced_draft_vocab_fast_path_joint_law_and_acceptance():
     expected = torch.minimum(p, q).sum().item()
     rate = (acc1[0] / reach1[0]).item()
     assert abs(rate - expected) < 4 * math.sqrt(expected * (1 - expected) / N), (rate, expected)
+
+
+def test_fast_sampler_never_picks_a_zero_mass_id():
+    """The fast inverse CDF has no guard: it counts CDF entries below u·total. At the extremes of u
+    (the smallest uniform ``round_uniforms`` gives, and 1.0, which a float64 draw rounds to in
+    float32) and on flat CDF stretches, unnormalised rows included, it must still land on mass."""
+    tiny = torch.finfo(torch.float32).tiny
+    rows = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0],   # zeros at both ends and inside
+                         [0.5, 0.0, 0.0, 0.0, 0.0, 0.5],
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 2e-3],  # an unnormalised residual
+                         [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    for u in (tiny, 1e-30, 0.3, 0.5, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))), 1.0):
+        tok = sample_with_uniform(rows, torch.full((rows.shape[0],), u))
+        assert bool((rows.gather(1, tok[:, None]) > 0).all()), (u, tok.tolist())
+    assert float(round_uniforms(gens(4, 0), 1000).min()) > 0.0
