@@ -851,7 +851,9 @@ class Engine:
         are host lists (tensors are accepted): every position and index of the round is worked
         out on the host, and the device sees one index tensor per gather, as vLLM's and SGLang's
         CPU-side batch metadata do. Draft d_k is written to ``tok`` at L+k-1 (scratch past the
-        committed tokens), so the next depths and the verify read their ids with one gather."""
+        committed tokens), so the next depths and the verify read their ids with one gather. A
+        single row has no padding: its reads and writes are slices of the buffers (no index tensor,
+        no gather), which is what batch 1 is bound by."""
         dev, cl = self.device, self.cache_len
         slot_l = [int(x) for x in (slots.tolist() if isinstance(slots, Tensor) else slots)]
         L_l = [int(x) for x in (L.tolist() if isinstance(L, Tensor) else L)]
@@ -859,8 +861,9 @@ class Engine:
         sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
         starts = self._depth_starts(slot_l, g)
         self._draft_positions = 0  # positions per row the depths run over (padded): prices the catch-up
-        drafts = torch.zeros(B, g, dtype=torch.long, device=dev)
-        q_rows = []
+        # one row (no padding): every read and write of a depth is a slice of the buffers, not a gather
+        single = B == 1 and L_l[0] + g <= cl
+        d_cols, q_rows = [], []
         prev_out, prev_start, prev_N = None, None, 0
         old_carry = self.carry[sl]  # a copy: depth k-1's pass moves its carry before depth k reads it
         h = self.hid.shape[-1]
@@ -869,39 +872,55 @@ class Engine:
             n = [L_l[i] - 1 - start[i] for i in range(B)]
             N = max(n)
             self._draft_positions += N
-            # one host-built index tensor per depth: [hidden rows | token ids | last row | carry rows]
-            if k == 1:  # trunk hidden at s (flat index into hid)
-                h_idx = [slot_l[i] * cl + min(start[i] + j, cl - 1) for i in range(B) for j in range(N)]
-            else:  # depth k-1's output at s: its carry (offset 0) or this round's output (offset >= 1)
-                w = prev_N + 1
-                h_idx = [i * w + min(start[i] - prev_start[i] + 1 + j, prev_N) for i in range(B) for j in range(N)]
-            t_idx = [slot_l[i] * cl + min(start[i] + j + k, cl - 1) for i in range(B) for j in range(N)]
-            last = [i * N + n[i] - 1 for i in range(B)]
-            tok_dst = [slot_l[i] * cl + L_l[i] + k - 1 for i in range(B)]  # d_k's scratch place in tok
-            ci = [(i, L_l[i] - 1 - k - start[i]) for i in range(B) if L_l[i] - 1 - k - start[i] >= 0]
-            carry_src = [i * N + c for i, c in ci]
-            carry_dst = [slot_l[i] * (g + 1) + k for i, _ in ci]
-            idx = torch.tensor(h_idx + t_idx + last + tok_dst + carry_src + carry_dst, dtype=torch.long, device=dev)
-            h_i, t_i, last_i, tok_i, csrc_i, cdst_i = idx.split([B * N, B * N, B, B, len(ci), len(ci)])
-            if k == 1:
-                H = self.hid.view(-1, h).index_select(0, h_i)
+            if single:
+                s0, b0 = slot_l[0], start[0]
+                if k == 1:  # trunk hidden at b0..L-2
+                    H = self.hid[s0: s0 + 1, b0: b0 + N]
+                elif b0 >= prev_start[0]:  # depth k-1's output at the same positions
+                    H = prev_out[:, b0 - prev_start[0]: b0 - prev_start[0] + N]
+                else:  # one position earlier: depth k-1's carry, then its output
+                    H = torch.cat([old_carry[:, k - 1: k], prev_out], dim=1)
+                ids = self.tok[s0: s0 + 1, b0 + k: b0 + k + N]
             else:
-                P = torch.cat([old_carry[:, k - 1: k], prev_out], dim=1).view(-1, h)
-                H = P.index_select(0, h_i)
-            ids = self.tok.view(-1).index_select(0, t_i).view(B, N)
+                # one host-built index tensor per depth: [hidden rows | token ids | last row | carry rows]
+                if k == 1:  # trunk hidden at s (flat index into hid)
+                    h_idx = [slot_l[i] * cl + min(start[i] + j, cl - 1) for i in range(B) for j in range(N)]
+                else:  # depth k-1's output at s: its carry (offset 0) or this round's output (offset >= 1)
+                    w = prev_N + 1
+                    h_idx = [i * w + min(start[i] - prev_start[i] + 1 + j, prev_N) for i in range(B) for j in range(N)]
+                t_idx = [slot_l[i] * cl + min(start[i] + j + k, cl - 1) for i in range(B) for j in range(N)]
+                last = [i * N + n[i] - 1 for i in range(B)]
+                tok_dst = [slot_l[i] * cl + L_l[i] + k - 1 for i in range(B)]  # d_k's scratch place in tok
+                ci = [(i, L_l[i] - 1 - k - start[i]) for i in range(B) if L_l[i] - 1 - k - start[i] >= 0]
+                carry_src = [i * N + c for i, c in ci]
+                carry_dst = [slot_l[i] * (g + 1) + k for i, _ in ci]
+                idx = torch.tensor(h_idx + t_idx + last + tok_dst + carry_src + carry_dst, dtype=torch.long, device=dev)
+                h_i, t_i, last_i, tok_i, csrc_i, cdst_i = idx.split([B * N, B * N, B, B, len(ci), len(ci)])
+                if k == 1:
+                    H = self.hid.view(-1, h).index_select(0, h_i).view(B, N, h)
+                else:
+                    P = torch.cat([old_carry[:, k - 1: k], prev_out], dim=1).view(-1, h)
+                    H = P.index_select(0, h_i).view(B, N, h)
+                ids = self.tok.view(-1).index_select(0, t_i).view(B, N)
             b = make_batch_index(slot_l, start, n, dev, N=N)
-            out = self.model.mtp_step(k - 1, H.view(B, N, h), ids, self.mtp_caches[k - 1], b)
-            flat = out.view(-1, h)
+            out = self.model.mtp_step(k - 1, H, ids, self.mtp_caches[k - 1], b)
             # carry = output at the last committed position L-1-k; valid end L-k
-            if ci:
-                self.carry.view(-1, h).index_copy_(0, cdst_i, flat.index_select(0, csrc_i))
+            if single:
+                c0 = L_l[0] - 1 - k - b0
+                if c0 >= 0:
+                    self.carry[s0, k] = out[0, c0]
+                h_last = out[:, n[0] - 1]
+            else:
+                flat = out.view(-1, h)
+                if ci:
+                    self.carry.view(-1, h).index_copy_(0, cdst_i, flat.index_select(0, csrc_i))
+                h_last = flat.index_select(0, last_i)
             for i, s in enumerate(slot_l):
                 self.valid[s][k] = max(L_l[i] - k, 0)
-            h_last = flat.index_select(0, last_i)
             if self.draft_ids is None:
                 zk = self.model.logits(h_last)
                 if proc is not None:  # not needed for exactness (any q is), but raises acceptance
-                    zk = proc.apply(zk, drafts[:, : k - 1])
+                    zk = proc.apply(zk, torch.stack(d_cols, dim=1) if d_cols else torch.zeros(B, 0, dtype=torch.long, device=dev))
                 qk = process_logits(zk, st, self.sampling_dtype)
             else:  # the map's N rows of the LM head only; q is 0 off the map
                 qk = reduced_draft_probs(h_last, self._draft_head(), self.draft_ids, self.model.config.vocab_size,
@@ -913,10 +932,14 @@ class Engine:
                     d = torch.where((st.temperature <= 0).to(dev), qk.argmax(-1), d)
             else:
                 d = qk.argmax(-1)
-            drafts[:, k - 1] = d
-            self.tok.view(-1).index_copy_(0, tok_i, d)  # read back as ids by depth k+1 and the verify
+            d_cols.append(d)
+            # d_k goes to ``tok`` after the committed tokens: read back as ids by depth k+1 and the verify
+            if single:
+                self.tok[s0, L_l[0] + k - 1: L_l[0] + k].copy_(d)
+            else:
+                self.tok.view(-1).index_copy_(0, tok_i, d)
             prev_out, prev_start, prev_N = out, start, N
-        return drafts, torch.stack(q_rows, dim=1)
+        return torch.stack(d_cols, dim=1), torch.stack(q_rows, dim=1)
 
     def _draft_head(self) -> Tensor:
         """LM-head rows of the draft token map [N, h], sliced once and again only after the
