@@ -920,7 +920,8 @@ class Engine:
             if self.draft_ids is None:
                 zk = self.model.logits(h_last)
                 if proc is not None:  # not needed for exactness (any q is), but raises acceptance
-                    zk = proc.apply(zk, torch.stack(d_cols, dim=1) if d_cols else torch.zeros(B, 0, dtype=torch.long, device=dev))
+                    prior = torch.stack(d_cols, dim=1) if d_cols else torch.zeros(B, 0, dtype=torch.long, device=dev)
+                    zk = proc.apply(zk, prior)
                 qk = process_logits(zk, st, self.sampling_dtype)
             else:  # the map's N rows of the LM head only; q is 0 off the map
                 qk = reduced_draft_probs(h_last, self._draft_head(), self.draft_ids, self.model.config.vocab_size,
