@@ -744,8 +744,9 @@ class Engine:
     @torch.no_grad()
     def _plain_round(self, reqs: list[Request]) -> None:
         B = len(reqs)
-        L = torch.tensor([len(r.tokens) for r in reqs], device=self.device)
-        b = make_batch_index([r.slot for r in reqs], L - 1, torch.ones_like(L), N=1)
+        L_l = [len(r.tokens) for r in reqs]
+        # host lists: make_batch_index's fast path (one metadata tensor, no device reads)
+        b = make_batch_index([r.slot for r in reqs], [x - 1 for x in L_l], [1] * B, self.device, N=1)
         ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
         logits = self.model.logits(normed[:, 0])
@@ -754,9 +755,9 @@ class Engine:
             logits = proc.apply(logits)
         toks = self._sample(reqs, logits)
         if self.gamma:
-            sl = b.slots
-            self.hid[sl, L - 1] = mtp_in[:, 0].to(self.hid.dtype)
-            self.tok[sl, L] = toks
+            sl, last = b.slots, b.positions[:, 0]  # position L-1 per row
+            self.hid[sl, last] = mtp_in[:, 0].to(self.hid.dtype)
+            self.tok[sl, last + 1] = toks
             self.total_plain_steps += B
         for i, r in enumerate(reqs):
             r.plain_rounds += bool(self.gamma)  # only an MTP engine's plain rounds are "plain rounds"
