@@ -190,15 +190,20 @@ def round_uniforms(generators: Sequence[Optional[torch.Generator]], n: int, dtyp
 
 def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:
     """One token per row by inverse CDF with the given uniforms [B] in [0, 1], in probs' dtype
-    (the fast path: 4 ops, no guard, so it runs at a fraction of ``_inverse_cdf``'s cost).
+    (the fast path: 4 ops on CPU, so it runs at a fraction of ``_inverse_cdf``'s cost).
 
-    The token is the number of CDF entries *below* v = u·total. It is never a zero-probability
-    id: with cdf[j-1] < v <= cdf[j], cdf[j] > cdf[j-1], and a float cumsum only stays flat over
-    zeros; v <= total because u <= 1, so j <= V-1; v > 0 because ``round_uniforms`` keeps u >= the
-    smallest normal float (u = 0 would pick id 0 whatever its mass). Rows of ``probs`` need not be
-    normalised (the verify's residual is not)."""
+    The token is the number of CDF entries *below* v = u·total. On CPU it is never a
+    zero-probability id: with cdf[j-1] < v <= cdf[j], cdf[j] > cdf[j-1], and a sequential float
+    cumsum stays exactly flat over zeros; v <= total because u <= 1, so j <= V-1; v > 0 because
+    ``round_uniforms`` keeps u >= the smallest normal float (u = 0 would pick id 0 whatever its
+    mass). An accelerator's parallel scan sums in other orders (CUB's scan for a single row can
+    step inside a run of zeros), so there a zero-mass pick falls back to the argmax, as
+    ``_inverse_cdf`` does. Rows of ``probs`` need not be normalised (the verify's residual is not)."""
     cdf = probs.cumsum(-1)
-    return (cdf < (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)).sum(-1)
+    tok = (cdf < (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)).sum(-1)
+    if probs.device.type != "cpu":
+        tok = torch.where(probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) > 0, tok, probs.argmax(-1))
+    return tok
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor, exact: bool = True) -> Tensor:
@@ -325,7 +330,8 @@ def _verify_rejection_fast(p: Tensor, q: Tensor, drafts: Tensor, u: Tensor) -> V
     p_next = p[rows, num_accepted]
     q_next = torch.cat([q, q.new_zeros(B, 1, V)], dim=1)[rows, num_accepted]  # 0 after all γ accepted
     residual = (p_next - q_next).clamp_min_(0.0)
-    dist = torch.where(residual.sum(-1, keepdim=True) <= 1e-6, p_next, residual)
+    empty = residual.sum(-1, keepdim=True) <= (1e-12 if p.dtype == torch.float64 else 1e-6)
+    dist = torch.where(empty, p_next, residual)
     return VerifyResult(num_accepted, sample_with_uniform(dist, u[:, gamma]))
 
 
