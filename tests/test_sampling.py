@@ -417,7 +417,7 @@ def test_reduced_draft_vocab_fast_path_joint_law_and_acceptance():
 
 
 def test_fast_sampler_never_picks_a_zero_mass_id():
-    """The fast inverse CDF has no guard: it counts CDF entries below u·total. At the extremes of u
+    """On CPU the fast inverse CDF has no guard: it counts CDF entries below u·total. At the extremes of u
     (the smallest uniform ``round_uniforms`` gives, and 1.0, which a float64 draw rounds to in
     float32) and on flat CDF stretches, unnormalised rows included, it must still land on mass."""
     tiny = torch.finfo(torch.float32).tiny

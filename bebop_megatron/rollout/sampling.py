@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bebop_megatron.rollout.modeling import _arange  # the cached per-device arange the batch index uses
+
 VERIFY_MODES = ("rejection", "target_only", "greedy")
 
 
@@ -302,13 +304,18 @@ def verify_chain(
                 rejected, torch.zeros_like(p_next[:, 0]), p_next.gather(-1, x.unsqueeze(-1)).squeeze(-1)).unsqueeze(-1))
     # rows with all drafts accepted draw the bonus from p; an empty residual (p == q up to
     # rounding) falls back to p, which is then the exact conditional anyway
-    empty = residual.sum(-1) <= (1e-12 if p.dtype == torch.float64 else 1e-6)
+    empty = residual.sum(-1) <= _empty_residual_mass(p.dtype)
     dist = torch.where((rejected & ~empty).unsqueeze(-1), residual, p_next)
     if fast:
         next_token = sample_with_uniform(dist, uniforms[:, gamma].to(p.device))
     else:
         next_token = sample_rows(dist, generators)
     return VerifyResult(num_accepted, next_token)
+
+
+def _empty_residual_mass(dtype) -> float:
+    """Residual mass at or below which max(0, p - q) counts as empty (p == q up to rounding)."""
+    return 1e-12 if dtype == torch.float64 else 1e-6
 
 
 def _verify_rejection_fast(p: Tensor, q: Tensor, drafts: Tensor, u: Tensor) -> VerifyResult:
@@ -330,19 +337,9 @@ def _verify_rejection_fast(p: Tensor, q: Tensor, drafts: Tensor, u: Tensor) -> V
     p_next = p[rows, num_accepted]
     q_next = torch.cat([q, q.new_zeros(B, 1, V)], dim=1)[rows, num_accepted]  # 0 after all γ accepted
     residual = (p_next - q_next).clamp_min_(0.0)
-    empty = residual.sum(-1, keepdim=True) <= (1e-12 if p.dtype == torch.float64 else 1e-6)
+    empty = residual.sum(-1, keepdim=True) <= _empty_residual_mass(p.dtype)
     dist = torch.where(empty, p_next, residual)
     return VerifyResult(num_accepted, sample_with_uniform(dist, u[:, gamma]))
-
-
-_ARANGE_BY_DEVICE: dict = {}
-
-
-def _arange(n: int, device) -> Tensor:
-    a = _ARANGE_BY_DEVICE.get(device)
-    if a is None or a.shape[0] < n:
-        a = _ARANGE_BY_DEVICE[device] = torch.arange(max(n, 1024), device=device)
-    return a[:n]
 
 
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
