@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,6 +158,34 @@ def checkpoint_config(path: str | Path) -> dict:
     return json.loads(extra["config"])
 
 
-def load_model_weights(path: str | Path, model) -> dict:
-    """Model weights only (e.g. start MTP training from a trunk checkpoint)."""
-    return load_checkpoint(path, model, optimizer=None, strict=False)
+def load_model_weights(path: str | Path, model, fresh: Optional[Callable[[str], bool]] = None,
+                       missing_ok: Optional[Callable[[str], bool]] = None) -> list[str]:
+    """Model weights only (e.g. start MTP training from a trunk checkpoint).
+
+    Parameters that ``fresh`` selects by name keep their initialisation (a benchmark's heads,
+    initialised per seed); so do those the checkpoint does not hold where ``missing_ok`` allows
+    it (a trunk saved with fewer MTP heads than this model has, or none, as Megatron-LM finetunes
+    from a checkpoint without MTP layers). Any other tensor the checkpoint lacks is an error.
+    Returns the names that kept their initialisation."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
+    saved = {k.split("/shard_")[0] for k in load_sharded_metadata(str(path))}  # objects carry a shard suffix
+    keep, skipped, missing = {}, [], []
+    for name, sh in model_sharded_state_dict(model).items():
+        if fresh is not None and fresh(name):
+            skipped.append(name)
+        elif getattr(sh, "key", name) not in saved:
+            (skipped if missing_ok is not None and missing_ok(name) else missing).append(name)
+        else:
+            keep[name] = sh
+    if missing:
+        raise CheckpointMismatch(f"{path} holds no {', '.join(missing[:6])}"
+                                 + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")
+                                 + ": it was saved from a different model config")
+    state = dist_checkpointing.load({"model": keep}, str(path))
+    _unwrap(model).load_state_dict(state["model"], strict=False)
+    return skipped

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed import run_distributed
+from tests.tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
@@ -163,3 +164,57 @@ def test_checkpoint_round_trip_and_tp_reshard(tmp_path):
     ck = tmp_path / "ck" / "checkpoints"
     assert (ck / "latest").read_text() == "iter_0000007"
     assert not list(ck.glob("*.tmp"))
+
+
+def _weights_only_worker(rank, world, ckpt_dir):
+    """A trunk saved with 2 MTP heads loads into a model with 3: the trunk and heads 0-1 come from
+    the file, head 2 keeps its initialisation; ``fresh`` keeps every head's; a tensor the file lacks
+    and nobody allowed to be missing is a clear error."""
+    from bebop_megatron.checkpointing import CheckpointMismatch, latest_checkpoint, load_model_weights, save_checkpoint
+    from bebop_megatron.model import build_model
+    from bebop_megatron.parallel import initialize_distributed
+
+    platform = initialize_distributed(1, 1, seed=0)
+    saved = build_model(tiny_config(mtp_num_layers=2), platform)
+    save_checkpoint(ckpt_dir, 1, saved)
+    ck = latest_checkpoint(ckpt_dir)
+    src = {n: p.detach().clone() for n, p in saved.named_parameters()}
+    is_head = lambda name: name.startswith("mtp.")  # noqa: E731
+    out = {}
+    for case in ("missing_ok", "fresh", "strict"):
+        torch.manual_seed(1234)  # another initialisation than the saved model's
+        m = build_model(tiny_config(mtp_num_layers=3), platform)
+        init = {n: p.detach().clone() for n, p in m.named_parameters()}
+        try:
+            kept = load_model_weights(ck, m, fresh=is_head if case == "fresh" else None,
+                                      missing_ok=None if case == "strict" else is_head)
+        except CheckpointMismatch as e:
+            out[case] = {"error": str(e)}
+            continue
+        now = dict(m.named_parameters())
+        out[case] = {
+            "kept": sorted(kept),
+            "not_from_file": sorted(n for n in now if n not in src or not torch.equal(now[n], src[n])),
+            "not_init": sorted(n for n in now if not torch.equal(now[n], init[n])),
+            "names": sorted(now),
+            "init_differs": sorted(n for n in src if not torch.equal(init[n], src[n])),
+        }
+    return out
+
+
+def test_weights_only_load_keeps_missing_or_fresh_heads(tmp_path):
+    r = run_distributed(_weights_only_worker, 1, str(tmp_path / "ck"))[0]
+    head2 = [n for n in r["missing_ok"]["names"] if n.startswith("mtp.layers.2.")]
+    heads01 = [n for n in r["missing_ok"]["names"] if n.startswith(("mtp.layers.0.", "mtp.layers.1."))]
+    trunk = [n for n in r["missing_ok"]["names"] if not n.startswith("mtp.")]
+    assert head2 and heads01 and trunk
+    assert set(r["missing_ok"]["init_differs"]) & set(heads01) and set(r["missing_ok"]["init_differs"]) & set(trunk)
+    # missing_ok: everything the file has is loaded; head 2 keeps its init
+    assert set(r["missing_ok"]["not_from_file"]) == set(head2)
+    assert not set(r["missing_ok"]["not_init"]) & set(head2)
+    assert {k for k in r["missing_ok"]["kept"] if not k.endswith("._extra_state")} == set(head2)
+    # fresh: the trunk from the file, every head its own init
+    assert set(r["fresh"]["not_from_file"]) <= set(heads01 + head2)
+    assert not set(r["fresh"]["not_init"]) & set(heads01 + head2)
+    # strict: the missing head is named
+    assert "holds no mtp.layers.2." in r["strict"]["error"] and "different model config" in r["strict"]["error"]

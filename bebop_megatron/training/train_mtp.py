@@ -82,7 +82,11 @@ class _Logger:
 
 
 def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: int, lr: float,
-              init_from: Optional[Path]) -> PhaseResult:
+              init_from: Optional[Path], fresh_heads: bool = False) -> PhaseResult:
+    """One phase (``trunk`` SFT or ``mtp`` head training) from ``init_from`` or its own resume
+    point. The MTP phase takes the heads from ``init_from`` where it holds them (it may hold none,
+    or fewer than ``model.mtp_num_layers``: those start fresh); ``fresh_heads`` starts them all
+    from this run's initialisation (a benchmark's per-seed heads on one shared trunk)."""
     from megatron.core import parallel_state
 
     model = build_model(cfg, platform)
@@ -100,9 +104,11 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
         if is_logging_rank():
             log.info("[%s] resumed from %s at step %d", phase, resume_from, step)
     elif init_from is not None:
-        load_model_weights(init_from, ddp)
+        is_head = (lambda name: name.startswith("mtp.")) if phase == "mtp" else None
+        kept = load_model_weights(init_from, ddp, fresh=is_head if fresh_heads else None, missing_ok=is_head)
         if is_logging_rank():
-            log.info("[%s] initialised weights from %s", phase, init_from)
+            log.info("[%s] initialised weights from %s%s", phase, init_from,
+                     f" ({len(kept)} MTP tensors start fresh)" if kept else "")
 
     data = build_dataset(cfg, cfg.model.vocab_size)
     p = cfg.parallel
