@@ -162,11 +162,42 @@ def teacher_forced(model, ev: EvalSet, temperatures: list[float]) -> dict[float,
         model.train(was_training)
     out = {}
     for T in temperatures:
-        r = mtp_objective(captured["main"] / T, [z / T for z in captured["mtp"]], "tv", ev.loss_mask.to(dev),
-                          true_vocab_size=model.true_vocab_size)
+        main, mtp = captured["main"] / T, [z / T for z in captured["mtp"]]
+        r = mtp_objective(main, mtp, "tv", ev.loss_mask.to(dev), true_vocab_size=model.true_vocab_size)
         out[T] = {"alpha": [round(float(a), 5) for a in r.alpha], "e_accepted": float(r.cum_alpha.sum()),
-                  "entropy": float(r.target_entropy)}
+                  "entropy": float(r.target_entropy),
+                  "alpha_by_entropy": alpha_by_entropy(main, mtp, ev.loss_mask.to(dev), model.true_vocab_size)}
     return out
+
+
+ENTROPY_BINS = (0.1, 0.5, 1.0)  # nats: [0, 0.1) near-deterministic targets ... [1, inf) spread ones
+
+
+@torch.no_grad()
+def alpha_by_entropy(main: torch.Tensor, mtp: list[torch.Tensor], loss_mask: torch.Tensor,
+                     true_vocab_size: int) -> dict:
+    """Where the missing acceptance lives: per depth, the share of scored positions and their mean
+    α_k in bins of the target's entropy H(p_k). Positions pair as in ``mtp_objective``
+    (p_k(t) = main head at t+k, scored where ``shifted_valid_mask``)."""
+    from bebop_megatron.mtp.losses import shifted_valid_mask
+
+    V = true_vocab_size
+    p_all = torch.softmax(main[..., :V].double(), -1)  # [s, b, V]
+    edges = torch.tensor(ENTROPY_BINS, dtype=torch.float64)
+    s = main.shape[0]
+    share, alpha = [], []
+    for k, z in enumerate(mtp, start=1):
+        p = p_all[k:]
+        q = torch.softmax(z[: s - k, :, :V].double(), -1)
+        valid = shifted_valid_mask(loss_mask, None, k).t()[: s - k]  # [s-k, b]
+        a = torch.minimum(p, q).sum(-1)[valid]
+        h = -(p * p.clamp_min(1e-300).log()).sum(-1)[valid]
+        bins = torch.bucketize(h, edges, right=True)  # 0..len(edges)
+        n = max(int(valid.sum()), 1)
+        share.append([round(float((bins == i).sum()) / n, 5) for i in range(len(edges) + 1)])
+        alpha.append([round(float(a[bins == i].mean()), 5) if bool((bins == i).any()) else float("nan")
+                      for i in range(len(edges) + 1)])
+    return {"edges": list(ENTROPY_BINS), "share": share, "alpha": alpha}
 
 
 # -------------------------------------------------------------------------- engine
@@ -225,7 +256,8 @@ def train_heads(cfg, platform, trunk_ckpt: Path, out: Path):
 
     torch.manual_seed(cfg.train.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-    res = run_phase(cfg, platform, "mtp", out, cfg.train.steps, cfg.train.lr, trunk_ckpt)
+    # the trunk is shared; each seed initialises its own heads
+    res = run_phase(cfg, platform, "mtp", out, cfg.train.steps, cfg.train.lr, trunk_ckpt, fresh_heads=True)
     return res.model
 
 
@@ -265,6 +297,32 @@ def linear_fit(x: list[float], y: list[float]) -> dict:
     return {k: (float("nan") if v is None else v) for k, v in fit(x, y).items()}
 
 
+def entropy_table(records: list[dict], objectives: list[str]) -> str:
+    """Mean over depths and seeds (T = 1) of α in each target-entropy bin, with the bin's share of
+    positions and its share of the missing acceptance, Σ_bins share·(1 − α) = 1 − mean α."""
+    recs = [r for r in records if r.get("temperature") == 1.0 and r.get("verify") == "rejection"
+            and r.get("alpha_by_entropy")]
+    if not recs:
+        return ""
+    edges = recs[0]["alpha_by_entropy"]["edges"]
+    names = [f"H<{edges[0]}"] + [f"{a}≤H<{b}" for a, b in zip(edges, edges[1:])] + [f"H≥{edges[-1]}"]
+    out = ["", "α by the target's entropy (nats; T=1, mean over depths and seeds): "
+           "share of positions / α / share of the missing acceptance (1 − α summed)"]
+    out.append(f"{'objective':<12} {'dist':<4} " + " ".join(f"{n:<22}" for n in names))
+    for dist in ("sft", "rl"):
+        for obj in objectives:
+            rs = [r["alpha_by_entropy"] for r in _sel(recs, objective=obj, distribution=dist)]
+            if not rs:
+                continue
+            share = np.nanmean([d["share"] for d in rs], axis=(0, 1))
+            alpha = np.nanmean([d["alpha"] for d in rs], axis=(0, 1))
+            miss = np.nanmean([[[s_ * (1 - a_) for s_, a_ in zip(sd, ad)] for sd, ad in zip(d["share"], d["alpha"])]
+                               for d in rs], axis=(0, 1))
+            out.append(f"{obj:<12} {dist:<4} " + " ".join(
+                f"{f'{sh:.2f} / {a:.3f} / {m:.4f}':<22}" for sh, a, m in zip(share, alpha, miss)))
+    return "\n".join(out)
+
+
 def summarise(records: list[dict], objectives: list[str], temps: list[float], gamma: int) -> dict:
     """The table and the issue's three targets."""
     lines, verdict = [], {}
@@ -285,6 +343,7 @@ def summarise(records: list[dict], objectives: list[str], temps: list[float], ga
                     row += f" {_ms([r['tokens_per_verify'] for r in _sel(records, objective=obj, distribution=dist, temperature=T, verify=v)]):<16}"
             row += f" {_ms([r['tokens_per_verify'] for r in _sel(records, objective=obj, distribution=dist, verify='greedy')]):<16}"
             lines.append(row)
+    lines.append(entropy_table(records, objectives))
     if "recommended" in objectives:
         for dist in ("sft", "rl"):
             def mean_e(o):
