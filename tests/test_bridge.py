@@ -141,3 +141,6 @@ def test_bench_rollout_smoke(tmp_path):
     # a repetition is batches_per_rep whole batches (ignore_eos: 6 tokens per row each), for every variant
     for r in rows:
         assert r["batches_per_rep"] >= 1 and r["tokens"] == r["batches_per_rep"] * r["batch"] * 6, r
+        assert len(r["wall_s_reps"]) == r["reps"] == 1
+        # one repetition: the paired ratio is that repetition's, the same as the ratio of the medians
+        assert abs(r["speedup_vs_plain_paired"] - r["speedup_vs_plain"]) < 1e-9, r

@@ -15,7 +15,9 @@ medians over ``--reps`` (≥5) repetitions, in wall time and in CPU time (``time
 up once per (variant, batch) and reused across repetitions, as a server would (the adaptive
 engine keeps what it measured). Torch runs with ``--threads`` threads (default 1).
 
-Prints tokens/s and the ratio to ``plain`` at the same batch, tokens per verify step (tokens
+Prints tokens/s and the ratio to ``plain`` at the same batch (of the medians, in wall and in CPU
+time, and "paired": the median over repetitions of each repetition's ratio to the plain run beside
+it, which a slow patch spanning one round of the interleaving moves less), tokens per verify step (tokens
 emitted by verify steps / verify steps) next to the bound (1 - α^{γ+1}) / (1 - α) from the
 measured per-draft acceptance α (accepted / reached drafts, pooled over depths), and writes
 ``--json PATH``: one record per (variant, batch) with ``variant``, ``batch``, ``tokens_per_s``,
@@ -265,9 +267,15 @@ def main(argv=None) -> int:
             ids = getattr(getattr(runners[v], "eng", None), "draft_ids", None)
             rec["draft_vocab"] = int(ids.numel()) if ids is not None else None
         base = recs.get("plain")
-        for rec in recs.values():
+        for v, rec in recs.items():
             rec["speedup_vs_plain"] = rec["tokens_per_s"] / base["tokens_per_s"] if base else None
             rec["speedup_vs_plain_cpu"] = rec["tokens_per_cpu_s"] / base["tokens_per_cpu_s"] if base else None
+            # the same ratio per repetition (each variant's run next to plain's in the same round of the
+            # interleaving), then the median: a slow patch of the machine that spans one round moves both
+            rec["speedup_vs_plain_paired"] = statistics.median(
+                (r["tokens"] / r["wall_s"]) / (b["tokens"] / b["wall_s"]) for r, b in zip(runs[v], runs["plain"])
+            ) if base else None
+            rec["wall_s_reps"] = [r["wall_s"] for r in runs[v]]
         records.extend(recs.values())
         _print(records[-len(recs):], path, gamma, args)
     if args.json:
@@ -278,12 +286,13 @@ def main(argv=None) -> int:
 def _print(rows, path, gamma, args) -> None:
     print(f"\nmodel: {path}  γ≤{gamma}  batch={rows[0]['batch']}  new tokens={args.max_new_tokens}  "
           f"T={args.temperature}  device={args.device}  threads={torch.get_num_threads()}  median of {args.reps} interleaved reps of {rows[0]['batches_per_rep']} batches")
-    print(f"{'variant':20s} {'tok/s':>8s} {'vs plain':>8s} {'cpu vs':>7s} {'tok/verify':>10s} {'bound':>6s} "
+    print(f"{'variant':20s} {'tok/s':>8s} {'vs plain':>8s} {'cpu vs':>7s} {'paired':>7s} {'tok/verify':>10s} {'bound':>6s} "
           f"{'alpha':>6s} {'acc rate':>8s} {'mean γ':>6s}")
     f = lambda x, w, p=3: f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else " " * w
     for r in rows:
         print(f"{r['variant']:20s} {r['tokens_per_s']:8.1f} {f(r['speedup_vs_plain'], 7, 2)}x "
-              f"{f(r['speedup_vs_plain_cpu'], 6, 2)}x {f(r['tokens_per_verify'], 10)} {f(r['bound'], 6)} "
+              f"{f(r['speedup_vs_plain_cpu'], 6, 2)}x {f(r.get('speedup_vs_plain_paired'), 6, 2)}x "
+              f"{f(r['tokens_per_verify'], 10)} {f(r['bound'], 6)} "
               f"{f(r['alpha'], 6)} {f(r['accept_rate'], 8)} {f(r.get('mean_gamma'), 6, 2)}", flush=True)
 
 
