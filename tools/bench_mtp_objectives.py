@@ -367,21 +367,25 @@ def summarise(records: list[dict], objectives: list[str], temps: list[float], ga
                 return linear_fit([p[0] for p in pts], [p[1] for p in pts])["slope"]
             s_rs, s_to = tpv_slope("rejection"), tpv_slope("target_only")
             ratio = (s_rs / s_to) if s_to and s_to < 0 else float("nan")
+            # None: no slope to judge (one temperature, or --no-engine), not a failed target
+            slope_met = (None if math.isnan(s_rs) or math.isnan(s_to)
+                         else bool(ratio <= 0.5) if not math.isnan(ratio) else bool(s_rs >= 0))
             verdict[dist] = {
                 "best_baseline": best, "e_best": e_best, "e_recommended": e_rec, "gain": e_rec - e_best,
                 "gain_needed": need, "headroom_target_met": e_rec - e_best >= need,
                 "alpha_last_recommended": mean_a("recommended"), "alpha_last_best": mean_a(best_a),
                 "alpha_last_target_met": mean_a("recommended") >= mean_a(best_a),
                 "tpv_slope_rejection": s_rs, "tpv_slope_target_only": s_to, "slope_ratio": ratio,
-                "slope_target_met": bool(ratio <= 0.5) if not math.isnan(ratio) else (s_rs >= 0),
+                "slope_target_met": slope_met,
             }
             v = verdict[dist]
+            slope_word = {None: "not measured", True: "MET", False: "NOT MET"}[slope_met]
             lines.append(
                 f"[{dist}] recommended E[acc] {e_rec:.3f} vs best baseline {best} {e_best:.3f}: gain {e_rec - e_best:+.3f} "
                 f"(target ≥ {need:+.3f}: {'MET' if v['headroom_target_met'] else 'NOT MET'}); α_{gamma} "
                 f"{v['alpha_last_recommended']:.3f} vs best {v['alpha_last_best']:.3f} "
                 f"({'MET' if v['alpha_last_target_met'] else 'NOT MET'}); tokens/verify slope over T: RS {s_rs:+.3f}, "
-                f"target-only {s_to:+.3f}, ratio {ratio:.2f} (target ≤ 0.5: {'MET' if v['slope_target_met'] else 'NOT MET'})")
+                f"target-only {s_to:+.3f}, ratio {ratio:.2f} (target ≤ 0.5: {slope_word})")
     return {"table": "\n".join(lines), "targets": verdict}
 
 
