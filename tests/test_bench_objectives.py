@@ -47,6 +47,8 @@ def test_verdicts_follow_the_issue_targets(bench):
     assert v["gain"] == pytest.approx(0.11)
     assert v["gain_needed"] == pytest.approx((3 - 2.70) / 3)
     assert v["headroom_target_met"]  # +0.11 ≥ +0.10
+    # paired by seed: recommended − kl on seed 1 and on seed 2 (both offsets cancel)
+    assert v["gain_by_seed"] == pytest.approx([0.11, 0.11])
     # the last depth is compared with the best baseline *by α_γ* (tv here), not the E[acc] winner
     assert v["alpha_last_best"] == pytest.approx(0.96) and not v["alpha_last_target_met"]
     assert v["tpv_slope_rejection"] == pytest.approx(-0.1)

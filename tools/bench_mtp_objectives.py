@@ -279,11 +279,12 @@ def ensure_trunk(cfg, platform, path: Optional[str], out: Path) -> Path:
 # -------------------------------------------------------------------------- report
 
 
-def _ms(xs: list[float]) -> str:
+def _ms(xs: list[float], signed: bool = False) -> str:
+    """mean ± sample std (ddof 1) over seeds."""
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     if not xs:
         return "-"
-    return f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1) if len(xs) > 1 else 0.0:.3f}"
+    return f"{np.mean(xs):{'+' if signed else ''}.3f} ± {np.std(xs, ddof=1) if len(xs) > 1 else 0.0:.3f}"
 
 
 def _sel(records, **kw):
@@ -365,6 +366,12 @@ def summarise(records: list[dict], objectives: list[str], temps: list[float], ga
                 pts = [(r["temperature"], r["tokens_per_verify"]) for r in
                        _sel(records, objective="recommended", distribution=dist, verify=v)]
                 return linear_fit([p[0] for p in pts], [p[1] for p in pts])["slope"]
+            def e_by_seed(o):
+                return {r["seed"]: r["e_accepted"] for r in _sel(records, objective=o, distribution=dist,
+                                                                   temperature=1.0, verify="rejection")}
+            # paired by seed (same trunk, same eval set): the seed-to-seed spread of the heads cancels
+            e_rec_s, e_best_s = e_by_seed("recommended"), e_by_seed(best)
+            paired = [e_rec_s[s] - e_best_s[s] for s in sorted(e_rec_s) if s in e_best_s]
             s_rs, s_to = tpv_slope("rejection"), tpv_slope("target_only")
             ratio = (s_rs / s_to) if s_to and s_to < 0 else float("nan")
             # None: no slope to judge (one temperature, or --no-engine), not a failed target
@@ -372,7 +379,7 @@ def summarise(records: list[dict], objectives: list[str], temps: list[float], ga
                          else bool(ratio <= 0.5) if not math.isnan(ratio) else bool(s_rs >= 0))
             verdict[dist] = {
                 "best_baseline": best, "e_best": e_best, "e_recommended": e_rec, "gain": e_rec - e_best,
-                "gain_needed": need, "headroom_target_met": e_rec - e_best >= need,
+                "gain_by_seed": paired, "gain_needed": need, "headroom_target_met": e_rec - e_best >= need,
                 "alpha_last_recommended": mean_a("recommended"), "alpha_last_best": mean_a(best_a),
                 "alpha_last_target_met": mean_a("recommended") >= mean_a(best_a),
                 "tpv_slope_rejection": s_rs, "tpv_slope_target_only": s_to, "slope_ratio": ratio,
@@ -382,7 +389,7 @@ def summarise(records: list[dict], objectives: list[str], temps: list[float], ga
             slope_word = {None: "not measured", True: "MET", False: "NOT MET"}[slope_met]
             lines.append(
                 f"[{dist}] recommended E[acc] {e_rec:.3f} vs best baseline {best} {e_best:.3f}: gain {e_rec - e_best:+.3f} "
-                f"(target ≥ {need:+.3f}: {'MET' if v['headroom_target_met'] else 'NOT MET'}); α_{gamma} "
+                f"(paired by seed {_ms(paired, signed=True)}; target ≥ {need:+.3f}: {'MET' if v['headroom_target_met'] else 'NOT MET'}); α_{gamma} "
                 f"{v['alpha_last_recommended']:.3f} vs best {v['alpha_last_best']:.3f} "
                 f"({'MET' if v['alpha_last_target_met'] else 'NOT MET'}); tokens/verify slope over T: RS {s_rs:+.3f}, "
                 f"target-only {s_to:+.3f}, ratio {ratio:.2f} (target ≤ 0.5: {slope_word})")
