@@ -103,3 +103,33 @@ def test_rollout_metrics_count_only_verify_tokens_and_report_mean_gamma():
     assert m["spec/tokens_per_verify"] == (12 + 9) / 7
     assert m["spec/mean_gamma"] == (12 + 3 * 3) / (4 + 5 + 3)
     assert m["spec/accept_rate"] == 14 / 21
+
+
+def test_final_report_without_speculation_has_no_acceptance(tmp_path):
+    """A run without speculative rollouts (rl.speculative false) logs no spec/* metrics: its summary says
+    no acceptance (None, so the CLI prints no line), not an acceptance of 0; with speculation the mean
+    covers only the steps that verified drafts."""
+    import json
+    from types import SimpleNamespace
+
+    from bebop_megatron.config import Config
+    from bebop_megatron.rl.metrics import metrics_path
+    from bebop_megatron.rl.trainer import RLTrainer
+
+    from pathlib import Path
+
+    cfg = Config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml", ["rl.bench_speculation=false"])
+    rows = [{"step": i, "rollout/reward": 0.1 * i, "rollout/entropy": 0.5, "rollout/response_len": 5.0,
+             "time/step": 1.0, "time/rollout_wait": 0.2, "time/rollout_gen": 0.5} for i in range(1, 6)]
+    path = metrics_path(tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    stub = SimpleNamespace(cfg=cfg, out=tmp_path, _log=lambda *a: None, gamma=0, last_buckets=None)
+    out = RLTrainer._final_report(stub)
+    assert out["accept_rate_last_steps"] is None and out["tokens_per_verify_last_steps"] is None
+    assert out["rollout_share_of_step_time"] == 0.2
+
+    rows[-1].update({"spec/accept_rate": 0.8, "spec/tokens_per_verify": 3.0})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = RLTrainer._final_report(stub)
+    assert out["accept_rate_last_steps"] == 0.8 and out["tokens_per_verify_last_steps"] == 3.0

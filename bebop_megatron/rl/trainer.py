@@ -603,9 +603,11 @@ class RLTrainer:
         out["train_reward_first_step"] = first.get("rollout/reward")
         out["train_reward_last_steps"] = float(np.mean([x["rollout/reward"] for x in lastn])) if lastn else None
         out["accept_rate_first_step"] = first.get("spec/accept_rate")
-        out["accept_rate_last_steps"] = float(np.mean([x.get("spec/accept_rate", 0) for x in lastn])) if lastn else None
-        out["tokens_per_verify_last_steps"] = float(np.mean([x.get("spec/tokens_per_verify", 0) for x in lastn])) \
-            if lastn else None
+        # None without speculative rollouts (rl.speculative false, or no step verified drafts): not a 0 acceptance
+        spec_rows = [x for x in lastn if x.get("spec/accept_rate") is not None]
+        out["accept_rate_last_steps"] = float(np.mean([x["spec/accept_rate"] for x in spec_rows])) if spec_rows else None
+        out["tokens_per_verify_last_steps"] = float(np.mean([x.get("spec/tokens_per_verify", 0) for x in spec_rows])) \
+            if spec_rows else None
         if self.cfg.rl.bench_speculation and self.cfg.rl.bench_prompts > 0 and self.gamma and self.last_buckets:
             self._stop_servers()  # the benchmark gets the machine to itself
             out["speculation_benchmark"] = speculation_benchmark(self.cfg, self.last_buckets, self.eval_prompts,
