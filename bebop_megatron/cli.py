@@ -71,7 +71,8 @@ def _rl(args) -> int:
             print(f"  training reward: {s['train_reward_first_step']:.3f} (first step) -> "
                   f"{s['train_reward_last_steps']:.3f} (mean of the last steps)")
         if s.get("accept_rate_last_steps") is not None:
-            print(f"  draft acceptance: {s.get('accept_rate_first_step') or 0:.3f} -> {s['accept_rate_last_steps']:.3f}; "
+            a0 = s.get("accept_rate_first_step")  # None: the first step verified no drafts (adaptive γ)
+            print(f"  draft acceptance: {'n/a' if a0 is None else f'{a0:.3f}'} -> {s['accept_rate_last_steps']:.3f}; "
                   f"tokens per verify step {s['tokens_per_verify_last_steps']:.2f}")
         tr = s.get("train_reward_trend")
         if tr and tr.get("slope") is not None:

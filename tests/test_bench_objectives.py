@@ -49,6 +49,12 @@ def test_verdicts_follow_the_issue_targets(bench):
     assert v["headroom_target_met"]  # +0.11 ≥ +0.10
     # paired by seed: recommended − kl on seed 1 and on seed 2 (both offsets cancel)
     assert v["gain_by_seed"] == pytest.approx([0.11, 0.11])
+    recs = _records(e_acc, alpha_last, tpv)
+    for r in recs:  # the recipe's seed 2 does 0.02 better: its gains differ by seed and from their mean
+        if r["objective"] == "recommended" and r["seed"] == 2:
+            r["e_accepted"] += 0.02
+    v2 = bench.summarise(recs, objs, [0.6, 1.0, 1.3], gamma=3)["targets"]["sft"]
+    assert v2["gain_by_seed"] == pytest.approx([0.11, 0.13]) and v2["gain"] == pytest.approx(0.12)
     # the last depth is compared with the best baseline *by α_γ* (tv here), not the E[acc] winner
     assert v["alpha_last_best"] == pytest.approx(0.96) and not v["alpha_last_target_met"]
     assert v["tpv_slope_rejection"] == pytest.approx(-0.1)
