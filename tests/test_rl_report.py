@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from bebop_megatron.rl.entropy import EntrocraftConfig, EntrocraftController
@@ -111,13 +111,12 @@ def test_final_report_without_speculation_has_no_acceptance(tmp_path):
     no acceptance (None, so the CLI prints no line), not an acceptance of 0; with speculation the mean
     covers only the steps that verified drafts."""
     import json
+    from pathlib import Path
     from types import SimpleNamespace
 
     from bebop_megatron.config import Config
     from bebop_megatron.rl.metrics import metrics_path
     from bebop_megatron.rl.trainer import RLTrainer
-
-    from pathlib import Path
 
     cfg = Config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml", ["rl.bench_speculation=false"])
     rows = [{"step": i, "rollout/reward": 0.1 * i, "rollout/entropy": 0.5, "rollout/response_len": 5.0,

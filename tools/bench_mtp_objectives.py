@@ -347,13 +347,14 @@ def summarise(records: list[dict], objectives: list[str], temps: list[float], ga
     lines.append(entropy_table(records, objectives))
     if "recommended" in objectives:
         for dist in ("sft", "rl"):
+            def at_t1(o):  # one record per seed: the teacher-forced figures at T = 1
+                return _sel(records, objective=o, distribution=dist, temperature=1.0, verify="rejection")
+
             def mean_e(o):
-                return float(np.mean([r["e_accepted"] for r in _sel(records, objective=o, distribution=dist,
-                                                                       temperature=1.0, verify="rejection")]))
+                return float(np.mean([r["e_accepted"] for r in at_t1(o)]))
 
             def mean_a(o):
-                return float(np.mean([r["alpha"][-1] for r in _sel(records, objective=o, distribution=dist,
-                                                                      temperature=1.0, verify="rejection")]))
+                return float(np.mean([r["alpha"][-1] for r in at_t1(o)]))
             base = [o for o in ("ce", "kl", "tv") if o in objectives]
             if not base:
                 continue
@@ -366,11 +367,9 @@ def summarise(records: list[dict], objectives: list[str], temps: list[float], ga
                 pts = [(r["temperature"], r["tokens_per_verify"]) for r in
                        _sel(records, objective="recommended", distribution=dist, verify=v)]
                 return linear_fit([p[0] for p in pts], [p[1] for p in pts])["slope"]
-            def e_by_seed(o):
-                return {r["seed"]: r["e_accepted"] for r in _sel(records, objective=o, distribution=dist,
-                                                                   temperature=1.0, verify="rejection")}
+
             # paired by seed (same trunk, same eval set): the seed-to-seed spread of the heads cancels
-            e_rec_s, e_best_s = e_by_seed("recommended"), e_by_seed(best)
+            e_rec_s, e_best_s = ({r["seed"]: r["e_accepted"] for r in at_t1(o)} for o in ("recommended", best))
             paired = [e_rec_s[s] - e_best_s[s] for s in sorted(e_rec_s) if s in e_best_s]
             s_rs, s_to = tpv_slope("rejection"), tpv_slope("target_only")
             ratio = (s_rs / s_to) if s_to and s_to < 0 else float("nan")
