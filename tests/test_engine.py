@@ -1,6 +1,7 @@
 """Embedded engine: HF-layout model equals transformers, MTP drafting equals a cache-free
 training-style recomputation, greedy speculation equals plain decoding, stops, batching."""
 
+import itertools
 import json
 import math
 
@@ -51,22 +52,43 @@ def full_mtp_distributions(model, tokens, gamma, st):
     return out
 
 
+@pytest.mark.parametrize("forced", [False, True])  # True: every acceptance count 0..γ, per row and round
 @pytest.mark.parametrize("rows", [4, 1])  # 1: the single-row draft pass (slices, no gathers)
 @pytest.mark.parametrize("layout,gammas", [("deepseek", [3] * 6), ("qwen3_next", [3, 3, 1, 0, 0, 2, 1, 3])])
-def test_draft_distributions_equal_cache_free_recomputation(tmp_path, layout, gammas, rows):
-    """The lean round (each depth once, extend fused with the draft) drafts exactly what a
-    cache-free megatron-style recomputation gives, also after rounds at a smaller γ (stale depths)."""
+def test_draft_distributions_equal_cache_free_recomputation(tmp_path, monkeypatch, layout, gammas, rows, forced):
+    """The lean round (each depth once, extend fused with the draft; the entries a round computed
+    from drafts that were then accepted are kept) drafts exactly what a cache-free megatron-style
+    recomputation gives, also after rounds at a smaller γ (stale depths). A random model accepts
+    few drafts, so ``forced`` overrides the verify's acceptance count (the cache must follow the
+    committed tokens whatever the verify decided)."""
     make_hf_checkpoint(tmp_path, "qwen3", layout, num_mtp=3, scale=2.0)
     model = CausalLMWithMTP.from_pretrained(tmp_path, dtype=torch.float64)
     gamma = 3
     eng = Engine(model, spec=SpecConfig("mtp", gamma, "rejection"), max_running=rows, max_len=96,
                  sampling_dtype=torch.float64)
+    moved = []
+    if forced:
+        import bebop_megatron.rollout.engine as engine_mod
+
+        real, calls = engine_mod.verify_chain, itertools.count()
+
+        def forced_verify(p, q, drafts, mode, uniforms=None):
+            res = real(p, q, drafts, mode, uniforms=uniforms)
+            c, g = next(calls), drafts.shape[1]
+            m = torch.tensor([g - (c + i) % (g + 1) for i in range(drafts.shape[0])])
+            moved.append(int((m > 0).sum()))
+            return type(res)(m, torch.where(m == res.num_accepted, res.next_token, (res.next_token + 1) % 64))
+
+        monkeypatch.setattr(engine_mod, "verify_chain", forced_verify)
     prompts = [[10, 11, 12, 13, 14, 15, 16, 17], [9], [1, 2], [3, 4, 5, 6, 7]][:rows]
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=60, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
     eng.step()  # prefill
     for g in gammas:
         (eng._speculative_round(reqs, g) if g else eng._plain_round(reqs))
     assert all(not r.finished for r in reqs) and all(r.verify_ct >= 4 for r in reqs)
+    if forced:
+        assert sum(moved) >= 4, moved
+        monkeypatch.undo()
     st = SamplingTensors.build([r.params for r in reqs])
     L = torch.tensor([len(r.tokens) for r in reqs])
     u = torch.rand(len(reqs), gamma, dtype=torch.float64)
@@ -77,6 +99,33 @@ def test_draft_distributions_equal_cache_free_recomputation(tmp_path, layout, ga
         ref = full_mtp_distributions(model, seq, gamma, SamplingTensors.build([r.params]))
         for k in range(1, gamma + 1):
             assert torch.allclose(q[i, k - 1], ref[k][L - 2], atol=1e-10), (i, k)
+
+
+@pytest.mark.parametrize("m", [0, 1, 3])
+def test_depths_run_over_the_accepted_positions_only(tmp_path, monkeypatch, m):
+    """After a round that accepted m of γ = 3 drafts, depth k runs over m + 1 positions where its
+    entries from the drafts were kept (m >= k - 1), else over k (the entries that read a rejected
+    draft): 4+4+4 after m = 3 (it was 4+5+6 when every draft-fed entry was recomputed)."""
+    import bebop_megatron.rollout.engine as engine_mod
+
+    make_hf_checkpoint(tmp_path, "qwen3", "deepseek", num_mtp=3, scale=2.0)
+    model = CausalLMWithMTP.from_pretrained(tmp_path, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, "rejection"), max_running=1, max_len=96)
+    real = engine_mod.verify_chain
+
+    def forced_verify(p, q, drafts, mode, uniforms=None):
+        res = real(p, q, drafts, mode, uniforms=uniforms)
+        return type(res)(torch.full_like(res.num_accepted, m), res.next_token)
+
+    monkeypatch.setattr(engine_mod, "verify_chain", forced_verify)
+    (r,) = [eng.add_request([5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=40, temperature=1.0, seed=0,
+                                                                 ignore_eos=True))]
+    eng.step()  # prefill
+    work = []
+    for _ in range(4):
+        eng._speculative_round([r], 3)
+        work.append(eng._draft_positions)
+    assert work[1:] == [sum(m + 1 if m >= k - 1 else k for k in (1, 2, 3))] * 3, work
 
 
 @pytest.mark.parametrize("verify", ["rejection", "target_only"])

@@ -14,15 +14,19 @@ SGLang's draft-extend and vLLM's EagleProposer do):
      positions not yet computed (the "extend" over the tokens accepted last round, fused with
      the draft) followed by its k-1 positions whose token lies beyond x_{L-1} (fed the drafts
      d_1..d_{k-1}); its output at L-2 gives q_k and d_k. When the earlier drafts are accepted,
-     q_k is exactly the distribution MTP training saw. Entries past a depth's committed part
-     are scratch (recomputed next round). b_k starts at valid[k], or earlier where the depth
-     below must be recomputed (depths skipped while γ_r was smaller), so any γ_r works.
+     q_k is exactly the distribution MTP training saw. b_k starts at valid[k], or earlier where the
+     depth below must be recomputed (depths skipped while γ_r was smaller), so any γ_r works.
   2. verify: one trunk forward over [x_{L-1}, d_1..d_γr] gives p at γ_r+1 positions; drafts are
      accepted by rejection sampling (or target_only; temperature 0 = greedy) and one more token
      is drawn; the accepted tokens are committed.
      Hybrid models (Gated DeltaNet layers): their recurrent/conv states are not position-indexed,
      so the verify forward keeps the state after each of its γ_r+1 positions and, once m drafts
      are accepted, each request's state is set to the one after d_m (exact rollback).
+  3. keep what the drafts computed: depth k at position s read the drafts d_1..d_{s+k-L+1} (its
+     token and, through depth k-1, the ones below), so once m drafts are accepted its entries at
+     L-k..L-k-1+min(m, k-1) are exact: valid[k] moves to L-k+min(m, k-1) and ``carry[k]`` to the
+     output there. Only entries that read a rejected draft are recomputed: in the round after one
+     that accepted m drafts, every depth runs over m+1 positions (it was m+k).
 A round with γ_r = 0 is a plain decoding step. The trunk prefill does not run MTP: the depths
 catch up over the prompt in the first draft pass, batched with every other request's draft.
 
@@ -788,6 +792,8 @@ class Engine:
         p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
         res = verify_chain(p, q, drafts, "greedy" if st.all_greedy else mode, uniforms=u[:, g:])
         num_acc, nxt = res.num_accepted, res.next_token
+        m_l = num_acc.tolist()
+        self._keep_draft_entries(slot_l, L_l, m_l, g)
         if self._hybrid:  # x_{L-1}, d_1..d_m are committed, the bonus token is not processed yet:
             self.trunk_cache.rollback(sl, num_acc)  # linear-attention state := the one after d_m
         # drafts d_1..d_m stay in ``tok``; the next token goes after them (the rest is scratch)
@@ -795,7 +801,7 @@ class Engine:
         emitted = torch.cat([drafts, nxt[:, None]], dim=1)
         emitted[torch.arange(B, device=dev), num_acc] = nxt
         # ---- 3. commit + metrics (one host transfer)
-        em_l, m_l = emitted.tolist(), num_acc.tolist()
+        em_l = emitted.tolist()
         round_emit = 0
         for i, r in enumerate(reqs):
             m = m_l[i]
@@ -862,6 +868,7 @@ class Engine:
         sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
         starts = self._depth_starts(slot_l, g)
         self._draft_positions = 0  # positions per row the depths run over (padded): prices the catch-up
+        self._draft_outs = [None]  # per depth k: (its output [B, N, h], its first position per row)
         # one row (no padding): every read and write of a depth is a slice of the buffers, not a gather
         single = B == 1 and L_l[0] + g <= cl
         d_cols, q_rows = [], []
@@ -941,7 +948,41 @@ class Engine:
             else:
                 self.tok.view(-1).index_copy_(0, tok_i, d)
             prev_out, prev_start, prev_N = out, start, N
+            self._draft_outs.append((out, start))
         return torch.stack(d_cols, dim=1), torch.stack(q_rows, dim=1)
+
+    def _keep_draft_entries(self, slot_l: list[int], L_l: list[int], m_l: list[int], g: int) -> None:
+        """After a verify that accepted m_i drafts in row i: depth k's entries at positions up to
+        L-k-1+min(m_i, k-1) read only accepted drafts, so they are exact. Move valid[k] past them
+        and ``carry[k]`` to the output at the last one (the draft pass left them at L-k and L-k-1).
+        Depth 1 reads no draft. One row: slice copies; more: one host-built index tensor."""
+        h = self.carry.shape[-1]
+        moves = []  # (depth, row, index into that depth's output rows, carry row)
+        for k in range(2, g + 1):
+            out, start = self._draft_outs[k]
+            for i, s in enumerate(slot_l):
+                j = min(m_l[i], k - 1)
+                p = L_l[i] - k - 1 + j  # the new last exact position
+                if j == 0 or p < max(start[i], 0):
+                    continue
+                self.valid[s][k] = p + 1
+                moves.append((k, i * out.shape[1] + p - start[i], s * (g + 1) + k))
+        if not moves:
+            return
+        carry = self.carry.view(-1, h)
+        if len(slot_l) == 1:
+            for k, src, dst in moves:
+                carry[dst].copy_(self._draft_outs[k][0].view(-1, h)[src])
+            return
+        idx = torch.tensor([x for _, src, dst in moves for x in (src, dst)], dtype=torch.long,
+                           device=self.device).view(-1, 2)
+        at = 0
+        for k in range(2, g + 1):
+            n = sum(1 for kk, _, _ in moves if kk == k)
+            if n:
+                sel = idx[at: at + n]
+                carry.index_copy_(0, sel[:, 1], self._draft_outs[k][0].reshape(-1, h).index_select(0, sel[:, 0]))
+                at += n
 
     def _draft_head(self) -> Tensor:
         """LM-head rows of the draft token map [N, h], sliced once and again only after the
