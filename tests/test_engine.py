@@ -4,6 +4,7 @@ training-style recomputation, greedy speculation equals plain decoding, stops, b
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -457,6 +458,36 @@ def test_adaptive_gamma_is_exact_and_follows_cost(qwen3_dir):
     # a predicted gain below the margin is not taken: drafts are free but E[tokens] is only 1.04
     hist = run(lambda g: 1.0, 0.04)
     assert hist[0] >= sum(hist) - measured - sum(hist) // Engine.ADAPTIVE_REMEASURE - 2, hist
+
+
+@pytest.mark.parametrize("draft_cost", [0.01, 0.6])
+def test_adaptive_gamma_prices_re_measuring_plain_decoding(qwen3_dir, draft_cost):
+    """While speculating, re-measuring plain decoding costs what its rounds lose against the running
+    γ: ADAPTIVE_SAMPLES x (1 - plain rounds per token of γ). Where γ = 3 triples the speed (drafts
+    nearly free) that is paid from the probe budget (1% of the rounds), so plain is re-measured about
+    every 200 rounds instead of at every third turn (96 rounds). Where speculation gains ~20% (a
+    draft costs 0.6 of a target step) it costs less than a turn's credit: every third turn, as before."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=1100)
+    eng._clock = _CostClock(eng, lambda g: 1.0 + draft_cost * g)
+    eng._alpha = _FixedAlpha([0.9] * 3)
+    log, choose = [], eng._choose_gamma
+    eng._choose_gamma = lambda B, reqs=None: log.append(choose(B, reqs)) or log[-1]
+    eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True))
+    # after the measuring rounds and before the last rows finish alone (a new batch bucket, measured
+    # afresh): runs of plain rounds between speculative ones are plain's re-measures
+    seq = "".join(map(str, log[Engine.ADAPTIVE_REMEASURE: -Engine.ADAPTIVE_REMEASURE]))
+    plain_runs = len(re.findall(r"(?<=[1-3])0+(?=[1-3])", seq))
+    turns = len(seq) // (Engine.ADAPTIVE_REMEASURE * 3)  # every third re-measure turn is plain's
+    best = min((1, 2, 3), key=lambda g: (1 + g * draft_cost) / eng.expected_tokens(g))
+    price = Engine.ADAPTIVE_SAMPLES * (1 - (1 + best * draft_cost) / eng.expected_tokens(best))
+    assert len(seq) > 600 and seq.count(str(best)) > 0.8 * len(seq), seq
+    if draft_cost < 0.1:
+        assert plain_runs <= len(seq) * Engine.ADAPTIVE_PROBE_BUDGET / price + 1 < turns, (plain_runs, turns, seq)
+    else:
+        assert price < Engine.ADAPTIVE_REMEASURE * 3 * Engine.ADAPTIVE_PROBE_BUDGET
+        assert plain_runs >= turns - 1, (plain_runs, turns, seq)
 
 
 def test_adaptive_gamma_recovers_after_a_noisy_patch(qwen3_dir):

@@ -59,8 +59,9 @@ measured catch-up rounds and amortised over the remaining tokens (the horizon: t
 token budget of the batch), so a short horizon does not switch for a small steady gain and γ does not
 flap. γ > 0 is chosen only when its steady gain exceeds ``ADAPTIVE_MARGIN``. While speculating, every
 ``ADAPTIVE_REMEASURE`` rounds another γ is re-measured in turn (``ADAPTIVE_SAMPLES`` fresh rounds that
-replace its old costs); a larger γ, whose depths lag, only when its catch-up fits a credit that grows
-by ``ADAPTIVE_PROBE_BUDGET`` plain rounds per round, else plain or a smaller γ.
+replace its old costs) when its price fits a credit that grows by ``ADAPTIVE_PROBE_BUDGET`` plain rounds
+per round: a larger γ's catch-up, and plain decoding's loss against the running γ (plain is re-checked
+often where speculation breaks even, rarely where it doubles the speed); else a smaller γ > 0.
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
@@ -609,17 +610,26 @@ class Engine:
             # made on costs from a noisy moment is then re-checked soon; the probe waits for the next
             # admission, where its catch-up is cheap)
             self._probe_at.pop(bk, None)
-            # re-measuring a larger γ pays its catch-up: it spends a credit that grows by
-            # ADAPTIVE_PROBE_BUDGET plain rounds per round, as probes from plain do
+            # a re-measure spends a credit that grows by ADAPTIVE_PROBE_BUDGET plain rounds per round,
+            # as probes from plain do: a larger γ's catch-up, and plain's rounds' loss against the
+            # running γ (1 - its plain rounds per token, per round: exact, plain is the unit). Re-measured
+            # every 96 rounds, plain cost ~5% of a 2x speed-up; now about 1%, and as often as before where
+            # speculation only breaks even. A γ > 0 is priced by its catch-up alone: its cost may be
+            # stale (measured in a noisy patch), and that is what re-measuring it finds out
             self._credit[bk] = min(self._credit.get(bk, 0.0) + self.ADAPTIVE_PROBE_BUDGET, self.ADAPTIVE_PROBE_MAX)
             if self._rounds % self.ADAPTIVE_REMEASURE == 0:  # re-measure the others in turn (costs drift)
                 others = [c for c in range(g + 1) if c != best]
                 cand = others[(self._rounds // self.ADAPTIVE_REMEASURE) % len(others)]
-                cost = self._switch_cost(bk, cand, reqs)
-                if cost > self._credit[bk]:  # not yet: a γ that needs no catch-up instead
-                    cand, cost = next((c for c in reversed(others) if c <= self._current_depths), None), 0.0
+
+                def price(c: int) -> float:
+                    if c == 0:
+                        return self.ADAPTIVE_SAMPLES * max(0.0, 1.0 - per_token[best])
+                    return self._switch_cost(bk, c, reqs)
+
+                if price(cand) > self._credit[bk]:  # not yet: a γ > 0 that needs no catch-up instead
+                    cand = next((c for c in reversed(others) if 0 < c <= self._current_depths), None)
                 if cand is not None:
-                    self._credit[bk] -= cost
+                    self._credit[bk] -= price(cand)
                     best = cand
                     self._remeasure(bk, best)
         self.last_gamma = best
