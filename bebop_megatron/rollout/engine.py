@@ -61,7 +61,7 @@ flap. γ > 0 is chosen only when its steady gain exceeds ``ADAPTIVE_MARGIN``. Wh
 ``ADAPTIVE_REMEASURE`` rounds another γ is re-measured in turn (``ADAPTIVE_SAMPLES`` fresh rounds that
 replace its old costs) when its price fits a credit that grows by ``ADAPTIVE_PROBE_BUDGET`` plain rounds
 per round: a larger γ's catch-up, and plain decoding's loss against the running γ (plain is re-checked
-often where speculation breaks even, rarely where it doubles the speed); else a smaller γ > 0.
+often where speculation breaks even, rarely where it doubles the speed); else a smaller γ whose price fits.
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
@@ -626,8 +626,9 @@ class Engine:
                         return self.ADAPTIVE_SAMPLES * max(0.0, 1.0 - per_token[best])
                     return self._switch_cost(bk, c, reqs)
 
-                if price(cand) > self._credit[bk]:  # not yet: a γ > 0 that needs no catch-up instead
-                    cand = next((c for c in reversed(others) if 0 < c <= self._current_depths), None)
+                if price(cand) > self._credit[bk]:  # not yet: a smaller γ whose price fits instead
+                    cand = next((c for c in reversed(others) if c <= self._current_depths
+                                 and price(c) <= self._credit[bk]), None)
                 if cand is not None:
                     self._credit[bk] -= price(cand)
                     best = cand
