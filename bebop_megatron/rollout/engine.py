@@ -26,7 +26,7 @@ SGLang's draft-extend and vLLM's EagleProposer do):
      token and, through depth k-1, the ones below), so once m drafts are accepted its entries at
      L-k..L-k-1+min(m, k-1) are exact: valid[k] moves to L-k+min(m, k-1) and ``carry[k]`` to the
      output there. Only entries that read a rejected draft are recomputed: in the round after one
-     that accepted m drafts, every depth runs over m+1 positions (it was m+k).
+     that accepted m drafts, depth k runs over m+1 positions where m >= k-1, else over k (it was m+k).
 A round with γ_r = 0 is a plain decoding step. The trunk prefill does not run MTP: the depths
 catch up over the prompt in the first draft pass, batched with every other request's draft.
 
@@ -61,7 +61,7 @@ flap. γ > 0 is chosen only when its steady gain exceeds ``ADAPTIVE_MARGIN``. Wh
 ``ADAPTIVE_REMEASURE`` rounds another γ is re-measured in turn (``ADAPTIVE_SAMPLES`` fresh rounds that
 replace its old costs) when its price fits a credit that grows by ``ADAPTIVE_PROBE_BUDGET`` plain rounds
 per round: a larger γ's catch-up, and plain decoding's loss against the running γ (plain is re-checked
-often where speculation breaks even, rarely where it doubles the speed); else a smaller γ whose price fits.
+often where speculation breaks even, rarely where it doubles the speed); else a smaller γ > 0 (free).
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
@@ -103,6 +103,7 @@ from typing import Callable, Optional
 import regex
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from bebop_megatron.rollout.modeling import CausalLMWithMTP, KVCache, make_batch_index
 from bebop_megatron.rollout.sampling import (LogitProcessors, SamplingTensors, load_token_map, process_logits,
@@ -626,9 +627,9 @@ class Engine:
                         return self.ADAPTIVE_SAMPLES * max(0.0, 1.0 - per_token[best])
                     return self._switch_cost(bk, c, reqs)
 
-                if price(cand) > self._credit[bk]:  # not yet: a smaller γ whose price fits instead
-                    cand = next((c for c in reversed(others) if c <= self._current_depths
-                                 and price(c) <= self._credit[bk]), None)
+                if price(cand) > self._credit[bk]:  # not yet: a smaller γ > 0 instead (free: no catch-up;
+                    # plain as a stand-in would spend the credit a larger γ's catch-up is saving up for)
+                    cand = next((c for c in reversed(others) if 0 < c <= self._current_depths), None)
                 if cand is not None:
                     self._credit[bk] -= price(cand)
                     best = cand
@@ -879,7 +880,8 @@ class Engine:
         sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
         starts = self._depth_starts(slot_l, g)
         self._draft_positions = 0  # positions per row the depths run over (padded): prices the catch-up
-        self._draft_outs = [None]  # per depth k: (its output [B, N, h], its first position per row)
+        # per depth k: (its output at L-k..L-2 [B, k-1, h], its first position per row), for the verify
+        self._draft_tails: list = [None]
         # one row (no padding): every read and write of a depth is a slice of the buffers, not a gather
         single = B == 1 and L_l[0] + g <= cl
         d_cols, q_rows = [], []
@@ -913,8 +915,13 @@ class Engine:
                 ci = [(i, L_l[i] - 1 - k - start[i]) for i in range(B) if L_l[i] - 1 - k - start[i] >= 0]
                 carry_src = [i * N + c for i, c in ci]
                 carry_dst = [slot_l[i] * (g + 1) + k for i, _ in ci]
-                idx = torch.tensor(h_idx + t_idx + last + tok_dst + carry_src + carry_dst, dtype=torch.long, device=dev)
-                h_i, t_i, last_i, tok_i, csrc_i, cdst_i = idx.split([B * N, B * N, B, B, len(ci), len(ci)])
+                # the output at L-k..L-2 (index n-k+1..n-1; clamped where the pass started later, which
+                # _keep_draft_entries never reads): the entries the verify may show to be exact
+                tail = [i * N + max(n[i] - k + 1 + t, 0) for i in range(B) for t in range(k - 1)]
+                idx = torch.tensor(h_idx + t_idx + last + tok_dst + carry_src + carry_dst + tail,
+                                   dtype=torch.long, device=dev)
+                h_i, t_i, last_i, tok_i, csrc_i, cdst_i, tail_i = idx.split(
+                    [B * N, B * N, B, B, len(ci), len(ci), len(tail)])
                 if k == 1:
                     H = self.hid.view(-1, h).index_select(0, h_i).view(B, N, h)
                 else:
@@ -929,10 +936,13 @@ class Engine:
                 if c0 >= 0:
                     self.carry[s0, k] = out[0, c0]
                 h_last = out[:, n[0] - 1]
+                lo = n[0] - k + 1  # the output at L-k..L-2 (left-padded where the pass started later)
+                tail = None if k == 1 else out[:, lo: n[0]] if lo >= 0 else F.pad(out[:, : n[0]], (0, 0, -lo, 0))
             else:
                 flat = out.view(-1, h)
                 if ci:
                     self.carry.view(-1, h).index_copy_(0, cdst_i, flat.index_select(0, csrc_i))
+                tail = flat.index_select(0, tail_i).view(B, k - 1, h) if k > 1 else None
                 h_last = flat.index_select(0, last_i)
             for i, s in enumerate(slot_l):
                 self.valid[s][k] = max(L_l[i] - k, 0)
@@ -959,7 +969,7 @@ class Engine:
             else:
                 self.tok.view(-1).index_copy_(0, tok_i, d)
             prev_out, prev_start, prev_N = out, start, N
-            self._draft_outs.append((out, start))
+            self._draft_tails.append((tail, start))
         return torch.stack(d_cols, dim=1), torch.stack(q_rows, dim=1)
 
     def _keep_draft_entries(self, slot_l: list[int], L_l: list[int], m_l: list[int], g: int) -> None:
@@ -967,23 +977,24 @@ class Engine:
         L-k-1+min(m_i, k-1) read only accepted drafts, so they are exact. Move valid[k] past them
         and ``carry[k]`` to the output at the last one (the draft pass left them at L-k and L-k-1).
         Depth 1 reads no draft. One row: slice copies; more: one host-built index tensor."""
+        tails, self._draft_tails = self._draft_tails, [None]  # used once: not kept across rounds
         h = self.carry.shape[-1]
-        moves = []  # (depth, row, index into that depth's output rows, carry row)
+        moves = []  # (depth, index into that depth's tail rows, carry row)
         for k in range(2, g + 1):
-            out, start = self._draft_outs[k]
+            _, start = tails[k]
             for i, s in enumerate(slot_l):
                 j = min(m_l[i], k - 1)
                 p = L_l[i] - k - 1 + j  # the new last exact position
                 if j == 0 or p < max(start[i], 0):
                     continue
                 self.valid[s][k] = p + 1
-                moves.append((k, i * out.shape[1] + p - start[i], s * (g + 1) + k))
+                moves.append((k, i * (k - 1) + j - 1, s * (g + 1) + k))  # tail row j-1 holds position p
         if not moves:
             return
         carry = self.carry.view(-1, h)
         if len(slot_l) == 1:
             for k, src, dst in moves:
-                carry[dst].copy_(self._draft_outs[k][0].view(-1, h)[src])
+                carry[dst].copy_(tails[k][0][0, src])
             return
         idx = torch.tensor([x for _, src, dst in moves for x in (src, dst)], dtype=torch.long,
                            device=self.device).view(-1, 2)
@@ -992,7 +1003,7 @@ class Engine:
             n = sum(1 for kk, _, _ in moves if kk == k)
             if n:
                 sel = idx[at: at + n]
-                carry.index_copy_(0, sel[:, 1], self._draft_outs[k][0].reshape(-1, h).index_select(0, sel[:, 0]))
+                carry.index_copy_(0, sel[:, 1], tails[k][0].reshape(-1, h).index_select(0, sel[:, 0]))
                 at += n
 
     def _draft_head(self) -> Tensor:
