@@ -127,13 +127,12 @@ def test_depths_run_over_the_accepted_positions_only(tmp_path, monkeypatch, m):
         eng._speculative_round([r], 3)
         work.append(eng._draft_positions)
     assert work[1:] == [sum(m + 1 if m >= k - 1 else k for k in (1, 2, 3))] * 3, work
-    # the verify reads only each depth's last k-1 outputs, and none are kept past it (a catch-up
-    # round's outputs span a whole prompt per depth)
+    # the keep reads only each depth's last k outputs (L-1-k..L-2), and none are kept past it (a
+    # catch-up round's outputs span a whole prompt per depth)
     assert eng._draft_tails == [None]
     st = SamplingTensors.build([r.params])
     eng._draft([r.slot], [len(r.tokens)], st, 3, torch.rand(1, 3))
-    assert [t is None for t, _ in eng._draft_tails[1:]] == [True, False, False]
-    assert [tuple(t.shape) for t, _ in eng._draft_tails[2:]] == [(1, 1, 48), (1, 2, 48)]
+    assert [tuple(t.shape) for t, _ in eng._draft_tails[1:]] == [(1, 1, 48), (1, 2, 48), (1, 3, 48)]
 
 
 @pytest.mark.parametrize("verify", ["rejection", "target_only"])

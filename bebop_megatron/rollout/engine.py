@@ -880,13 +880,14 @@ class Engine:
         sl = torch.tensor(slot_l, dtype=torch.long, device=dev)
         starts = self._depth_starts(slot_l, g)
         self._draft_positions = 0  # positions per row the depths run over (padded): prices the catch-up
-        # per depth k: (its output at L-k..L-2 [B, k-1, h], its first position per row), for the verify
+        # per depth k: (its output at L-1-k..L-2 [B, k, h], its first position per row): after the
+        # verify, _keep_draft_entries takes the last exact one of them as the depth's carry
         self._draft_tails: list = [None]
         # one row (no padding): every read and write of a depth is a slice of the buffers, not a gather
         single = B == 1 and L_l[0] + g <= cl
         d_cols, q_rows = [], []
         prev_out, prev_start, prev_N = None, None, 0
-        old_carry = self.carry[sl]  # a copy: depth k-1's pass moves its carry before depth k reads it
+        carry = self.carry[sl]  # [B, γ+1, h]: depth k-1's output at valid[k-1]-1 (set by the last keep)
         h = self.hid.shape[-1]
         for k in range(1, g + 1):
             start = starts[k - 1]
@@ -900,7 +901,7 @@ class Engine:
                 elif b0 >= prev_start[0]:  # depth k-1's output at the same positions
                     H = prev_out[:, b0 - prev_start[0]: b0 - prev_start[0] + N]
                 else:  # one position earlier: depth k-1's carry, then its output
-                    H = torch.cat([old_carry[:, k - 1: k], prev_out], dim=1)
+                    H = torch.cat([carry[:, k - 1: k], prev_out], dim=1)
                 ids = self.tok[s0: s0 + 1, b0 + k: b0 + k + N]
             else:
                 # one host-built index tensor per depth: [hidden rows | token ids | last row | carry rows]
@@ -912,40 +913,27 @@ class Engine:
                 t_idx = [slot_l[i] * cl + min(start[i] + j + k, cl - 1) for i in range(B) for j in range(N)]
                 last = [i * N + n[i] - 1 for i in range(B)]
                 tok_dst = [slot_l[i] * cl + L_l[i] + k - 1 for i in range(B)]  # d_k's scratch place in tok
-                ci = [(i, L_l[i] - 1 - k - start[i]) for i in range(B) if L_l[i] - 1 - k - start[i] >= 0]
-                carry_src = [i * N + c for i, c in ci]
-                carry_dst = [slot_l[i] * (g + 1) + k for i, _ in ci]
-                # the output at L-k..L-2 (index n-k+1..n-1; clamped where the pass started later, which
-                # _keep_draft_entries never reads): the entries the verify may show to be exact
-                tail = [i * N + max(n[i] - k + 1 + t, 0) for i in range(B) for t in range(k - 1)]
-                idx = torch.tensor(h_idx + t_idx + last + tok_dst + carry_src + carry_dst + tail,
-                                   dtype=torch.long, device=dev)
-                h_i, t_i, last_i, tok_i, csrc_i, cdst_i, tail_i = idx.split(
-                    [B * N, B * N, B, B, len(ci), len(ci), len(tail)])
+                # the output at L-1-k..L-2 (index n-k..n-1; clamped where the pass started later, which
+                # _keep_draft_entries never reads): the last committed position, then the draft-fed ones
+                tail = [i * N + max(n[i] - k + t, 0) for i in range(B) for t in range(k)]
+                idx = torch.tensor(h_idx + t_idx + last + tok_dst + tail, dtype=torch.long, device=dev)
+                h_i, t_i, last_i, tok_i, tail_i = idx.split([B * N, B * N, B, B, len(tail)])
                 if k == 1:
                     H = self.hid.view(-1, h).index_select(0, h_i).view(B, N, h)
                 else:
-                    P = torch.cat([old_carry[:, k - 1: k], prev_out], dim=1).view(-1, h)
+                    P = torch.cat([carry[:, k - 1: k], prev_out], dim=1).view(-1, h)
                     H = P.index_select(0, h_i).view(B, N, h)
                 ids = self.tok.view(-1).index_select(0, t_i).view(B, N)
             b = make_batch_index(slot_l, start, n, dev, N=N)
             out = self.model.mtp_step(k - 1, H, ids, self.mtp_caches[k - 1], b)
-            # carry = output at the last committed position L-1-k; valid end L-k
             if single:
-                c0 = L_l[0] - 1 - k - b0
-                if c0 >= 0:
-                    self.carry[s0, k] = out[0, c0]
                 h_last = out[:, n[0] - 1]
-                lo = n[0] - k + 1  # the output at L-k..L-2 (left-padded where the pass started later)
-                tail = None if k == 1 else out[:, lo: n[0]] if lo >= 0 else F.pad(out[:, : n[0]], (0, 0, -lo, 0))
+                lo = n[0] - k  # the output at L-1-k..L-2 (left-padded where the pass started later)
+                tail = out[:, lo: n[0]] if lo >= 0 else F.pad(out[:, : n[0]], (0, 0, -lo, 0))
             else:
                 flat = out.view(-1, h)
-                if ci:
-                    self.carry.view(-1, h).index_copy_(0, cdst_i, flat.index_select(0, csrc_i))
-                tail = flat.index_select(0, tail_i).view(B, k - 1, h) if k > 1 else None
+                tail = flat.index_select(0, tail_i).view(B, k, h)
                 h_last = flat.index_select(0, last_i)
-            for i, s in enumerate(slot_l):
-                self.valid[s][k] = max(L_l[i] - k, 0)
             if self.draft_ids is None:
                 zk = self.model.logits(h_last)
                 if proc is not None:  # not needed for exactness (any q is), but raises acceptance
@@ -973,38 +961,30 @@ class Engine:
         return torch.stack(d_cols, dim=1), torch.stack(q_rows, dim=1)
 
     def _keep_draft_entries(self, slot_l: list[int], L_l: list[int], m_l: list[int], g: int) -> None:
-        """After a verify that accepted m_i drafts in row i: depth k's entries at positions up to
-        L-k-1+min(m_i, k-1) read only accepted drafts, so they are exact. Move valid[k] past them
-        and ``carry[k]`` to the output at the last one (the draft pass left them at L-k and L-k-1).
-        Depth 1 reads no draft. One row: slice copies; more: one host-built index tensor."""
+        """After a verify that accepted m_i drafts in row i: depth k's entries up to position
+        p = L-k-1+min(m_i, k-1) read only committed tokens (x_{L-1} and the accepted drafts), so
+        they are exact. Set valid[k] to p+1 and ``carry[k]`` to the draft pass's output at p (the
+        tail entry min(m_i, k-1)), for every depth the pass ran. Where p lies before the pass
+        (it started at L-k: the depth was current up to x_{L-1}'s neighbour), its carry already
+        holds the output at p. One row: slice copies; more: one host-built index tensor per depth."""
         tails, self._draft_tails = self._draft_tails, [None]  # used once: not kept across rounds
         h = self.carry.shape[-1]
-        moves = []  # (depth, index into that depth's tail rows, carry row)
-        for k in range(2, g + 1):
-            _, start = tails[k]
+        carry = self.carry.view(-1, h)
+        for k in range(1, g + 1):
+            tail, start = tails[k]
+            src, dst = [], []  # tail rows [B * k] -> carry rows [slots * (γ+1)]
             for i, s in enumerate(slot_l):
                 j = min(m_l[i], k - 1)
-                p = L_l[i] - k - 1 + j  # the new last exact position
-                if j == 0 or p < max(start[i], 0):
-                    continue
-                self.valid[s][k] = p + 1
-                moves.append((k, i * (k - 1) + j - 1, s * (g + 1) + k))  # tail row j-1 holds position p
-        if not moves:
-            return
-        carry = self.carry.view(-1, h)
-        if len(slot_l) == 1:
-            for k, src, dst in moves:
-                carry[dst].copy_(tails[k][0][0, src])
-            return
-        idx = torch.tensor([x for _, src, dst in moves for x in (src, dst)], dtype=torch.long,
-                           device=self.device).view(-1, 2)
-        at = 0
-        for k in range(2, g + 1):
-            n = sum(1 for kk, _, _ in moves if kk == k)
-            if n:
-                sel = idx[at: at + n]
-                carry.index_copy_(0, sel[:, 1], tails[k][0].reshape(-1, h).index_select(0, sel[:, 0]))
-                at += n
+                p = L_l[i] - k - 1 + j  # the last exact position
+                self.valid[s][k] = max(p + 1, 0)
+                if p >= max(start[i], 0):
+                    src.append(i * k + j)
+                    dst.append(s * (g + 1) + k)
+            if len(src) == 1:
+                carry[dst[0]].copy_(tail.reshape(-1, h)[src[0]])
+            elif src:
+                idx = torch.tensor(src + dst, dtype=torch.long, device=self.device)
+                carry.index_copy_(0, idx[len(src):], tail.reshape(-1, h).index_select(0, idx[: len(src)]))
 
     def _draft_head(self) -> Tensor:
         """LM-head rows of the draft token map [N, h], sliced once and again only after the
