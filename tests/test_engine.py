@@ -55,18 +55,22 @@ def full_mtp_distributions(model, tokens, gamma, st):
 
 @pytest.mark.parametrize("forced", [False, True])  # True: every acceptance count 0..γ, per row and round
 @pytest.mark.parametrize("rows", [4, 1])  # 1: the single-row draft pass (slices, no gathers)
-@pytest.mark.parametrize("layout,gammas", [("deepseek", [3] * 6), ("qwen3_next", [3, 3, 1, 0, 0, 2, 1, 3])])
+@pytest.mark.parametrize("layout,gammas", [("deepseek", [3] * 6), ("qwen3_next", [3, 3, 1, 0, 0, 2, 1, 3]),
+                                            ("deepseek", [3, 3, 2, 2, 2])])  # the last: drafts at γ = 2 < 3
 def test_draft_distributions_equal_cache_free_recomputation(tmp_path, monkeypatch, layout, gammas, rows, forced):
     """The lean round (each depth once, extend fused with the draft; the entries a round computed
     from drafts that were then accepted are kept) drafts exactly what a cache-free megatron-style
-    recomputation gives, also after rounds at a smaller γ (stale depths). A random model accepts
-    few drafts, so ``forced`` overrides the verify's acceptance count (the cache must follow the
-    committed tokens whatever the verify decided)."""
+    recomputation gives, also after rounds at a smaller γ (stale depths) and when the drafts
+    themselves are at a smaller γ than the engine's (carry rows are strided by the engine's γ; the
+    rows sit in slots 1.. so a wrong stride lands in another depth or request). A random model
+    accepts few drafts, so ``forced`` overrides the verify's acceptance count (the cache must
+    follow the committed tokens whatever the verify decided)."""
     make_hf_checkpoint(tmp_path, "qwen3", layout, num_mtp=3, scale=2.0)
     model = CausalLMWithMTP.from_pretrained(tmp_path, dtype=torch.float64)
     gamma = 3
-    eng = Engine(model, spec=SpecConfig("mtp", gamma, "rejection"), max_running=rows, max_len=96,
+    eng = Engine(model, spec=SpecConfig("mtp", gamma, "rejection"), max_running=rows + 1, max_len=96,
                  sampling_dtype=torch.float64)
+    eng.free_slots.remove(0)  # slots 1..rows
     moved = []
     if forced:
         import bebop_megatron.rollout.engine as engine_mod
@@ -92,13 +96,15 @@ def test_draft_distributions_equal_cache_free_recomputation(tmp_path, monkeypatc
         monkeypatch.undo()
     st = SamplingTensors.build([r.params for r in reqs])
     L = torch.tensor([len(r.tokens) for r in reqs])
-    u = torch.rand(len(reqs), gamma, dtype=torch.float64)
-    drafts, q = eng._draft([r.slot for r in reqs], L, st, gamma, u)
+    g = gammas[-1]  # drafts at the schedule's last γ
+    u = torch.rand(len(reqs), g, dtype=torch.float64)
+    drafts, q = eng._draft([r.slot for r in reqs], L, st, g, u)
+    assert [r.slot for r in reqs] == list(range(1, rows + 1))
     for i, r in enumerate(reqs):
         L = len(r.tokens)
-        seq = r.tokens + drafts[i, : gamma - 1].tolist()  # drafts stand in for the future tokens
-        ref = full_mtp_distributions(model, seq, gamma, SamplingTensors.build([r.params]))
-        for k in range(1, gamma + 1):
+        seq = r.tokens + drafts[i, : g - 1].tolist()  # drafts stand in for the future tokens
+        ref = full_mtp_distributions(model, seq, g, SamplingTensors.build([r.params]))
+        for k in range(1, g + 1):
             assert torch.allclose(q[i, k - 1], ref[k][L - 2], atol=1e-10), (i, k)
 
 

@@ -964,22 +964,23 @@ class Engine:
         """After a verify that accepted m_i drafts in row i: depth k's entries up to position
         p = L-k-1+min(m_i, k-1) read only committed tokens (x_{L-1} and the accepted drafts), so
         they are exact. Set valid[k] to p+1 and ``carry[k]`` to the draft pass's output at p (the
-        tail entry min(m_i, k-1)), for every depth the pass ran. Where p lies before the pass
-        (it started at L-k: the depth was current up to x_{L-1}'s neighbour), its carry already
-        holds the output at p. One row: slice copies; more: one host-built index tensor per depth."""
+        tail entry min(m_i, k-1)), for every depth the pass ran. The pass covers p: it starts at
+        most at max(L-k-1, 0), where the last keep (or a prefill) left valid[k]; only a row of at
+        most k tokens has p < 0 (no output there; valid[k] stays 0). Carry rows are strided by
+        the engine's γ, not the round's. One host-built index tensor per depth (a copy for one row)."""
         tails, self._draft_tails = self._draft_tails, [None]  # used once: not kept across rounds
         h = self.carry.shape[-1]
         carry = self.carry.view(-1, h)
         for k in range(1, g + 1):
             tail, start = tails[k]
-            src, dst = [], []  # tail rows [B * k] -> carry rows [slots * (γ+1)]
+            src, dst = [], []  # tail rows [B * k] -> carry rows [slots * (engine γ + 1)]
             for i, s in enumerate(slot_l):
                 j = min(m_l[i], k - 1)
                 p = L_l[i] - k - 1 + j  # the last exact position
                 self.valid[s][k] = max(p + 1, 0)
                 if p >= max(start[i], 0):
                     src.append(i * k + j)
-                    dst.append(s * (g + 1) + k)
+                    dst.append(s * (self.gamma + 1) + k)
             if len(src) == 1:
                 carry[dst[0]].copy_(tail.reshape(-1, h)[src[0]])
             elif src:
