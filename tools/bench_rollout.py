@@ -19,7 +19,8 @@ Prints tokens/s and the ratio to ``plain`` at the same batch (of the medians, in
 time, and "paired": the median over repetitions of each repetition's ratio to the plain run beside
 it, which a slow patch spanning one round of the interleaving moves less), tokens per verify step (tokens
 emitted by verify steps / verify steps) next to the bound (1 - α^{γ+1}) / (1 - α) from the
-measured per-draft acceptance α (accepted / reached drafts, pooled over depths), and writes
+measured per-draft acceptance α (accepted / reached drafts, pooled over depths; for adaptive γ the
+mean of each γ's bound over its rounds), and writes
 ``--json PATH``: one record per (variant, batch) with ``variant``, ``batch``, ``tokens_per_s``,
 ``speedup_vs_plain``, ``tokens_per_verify``, ``accept_rate`` (and more).
 
@@ -170,13 +171,16 @@ def summarise(variant: str, batch: int, runs: list[dict], gamma: int) -> dict:
         hist = [sum(r["gamma_hist"][g] for r in runs) for g in range(gamma + 1)]
         spec_rounds = sum(hist[1:])
         mean_gamma = sum(g * h for g, h in enumerate(hist)) / max(sum(hist), 1)
-        g_eff = round(sum(g * h for g, h in enumerate(hist[1:], 1)) / spec_rounds) if spec_rounds else gamma
+        # the bound of a mix of γ (adaptive): the rounds' mean of each γ's bound (rounds, not row-steps:
+        # the γ histogram counts rounds); a fixed γ gets its own bound
+        bound = (sum(h * expected_tokens_per_step(alpha, g) for g, h in enumerate(hist) if g) / spec_rounds
+                 if spec_rounds else expected_tokens_per_step(alpha, gamma))
         per_acc = [sum(r["per_depth_acc"][k] for r in runs) for k in range(gamma)]
         per_reach = [sum(r["per_depth_reach"][k] for r in runs) for k in range(gamma)]
         rec.update(tokens_per_verify=tot("verify_tokens") / ver if ver else None,
                    accept_rate=tot("accepted") / tot("proposed") if tot("proposed") else 0.0,
                    alpha=alpha, alpha_per_depth=[a / n if n else None for a, n in zip(per_acc, per_reach)],
-                   bound=expected_tokens_per_step(alpha, g_eff), gamma_hist=hist, mean_gamma=mean_gamma)
+                   bound=bound, gamma_hist=hist, mean_gamma=mean_gamma)
     return rec
 
 
