@@ -20,7 +20,8 @@ time, and "paired": the median over repetitions of each repetition's ratio to th
 it, which a slow patch spanning one round of the interleaving moves less), tokens per verify step (tokens
 emitted by verify steps / verify steps) next to the bound (1 - α^{γ+1}) / (1 - α) from the
 measured per-draft acceptance α (accepted / reached drafts, pooled over depths; for adaptive γ the
-mean of each γ's bound over its rounds), and writes
+mean of each γ's bound weighted by rounds, while tokens per verify is per request-step: the two differ
+where the γ mix changes with the batch size), and writes
 ``--json PATH``: one record per (variant, batch) with ``variant``, ``batch``, ``tokens_per_s``,
 ``speedup_vs_plain``, ``tokens_per_verify``, ``accept_rate`` (and more).
 

@@ -872,7 +872,9 @@ class Engine:
         CPU-side batch metadata do. Draft d_k is written to ``tok`` at L+k-1 (scratch past the
         committed tokens), so the next depths and the verify read their ids with one gather. A
         single row has no padding: its reads and writes are slices of the buffers (no index tensor,
-        no gather), which is what batch 1 is bound by."""
+        no gather), which is what batch 1 is bound by. The depths' valid ends and carries are left as
+        they were: ``_keep_draft_entries`` sets them after the verify, from the outputs kept in
+        ``_draft_tails`` (so a draft pass without a verify changes no depth state)."""
         dev, cl = self.device, self.cache_len
         slot_l = [int(x) for x in (slots.tolist() if isinstance(slots, Tensor) else slots)]
         L_l = [int(x) for x in (L.tolist() if isinstance(L, Tensor) else L)]
@@ -904,7 +906,7 @@ class Engine:
                     H = torch.cat([carry[:, k - 1: k], prev_out], dim=1)
                 ids = self.tok[s0: s0 + 1, b0 + k: b0 + k + N]
             else:
-                # one host-built index tensor per depth: [hidden rows | token ids | last row | carry rows]
+                # one host-built index tensor per depth: [hidden rows | token ids | last row | d_k's place | tail rows]
                 if k == 1:  # trunk hidden at s (flat index into hid)
                     h_idx = [slot_l[i] * cl + min(start[i] + j, cl - 1) for i in range(B) for j in range(N)]
                 else:  # depth k-1's output at s: its carry (offset 0) or this round's output (offset >= 1)
