@@ -889,7 +889,9 @@ class Engine:
         single = B == 1 and L_l[0] + g <= cl
         d_cols, q_rows = [], []
         prev_out, prev_start, prev_N = None, None, 0
-        carry = self.carry[sl]  # [B, γ+1, h]: depth k-1's output at valid[k-1]-1 (set by the last keep)
+        # [B, γ+1, h]: depth k-1's output at valid[k-1]-1 (set by the last keep; the pass does not
+        # move it, so no copy is needed: a view for one row, one gather for more)
+        carry = self.carry[slot_l[0]: slot_l[0] + 1] if single else self.carry[sl]
         h = self.hid.shape[-1]
         for k in range(1, g + 1):
             start = starts[k - 1]
