@@ -53,6 +53,21 @@ def full_mtp_distributions(model, tokens, gamma, st):
     return out
 
 
+def _force_acceptance(monkeypatch, num_accepted, next_token=None):
+    """Make the engine's verify accept ``num_accepted(res, drafts)`` drafts per row (the real verify
+    still runs); the next token is ``next_token(res, p, m)``, by default the real one."""
+    import bebop_megatron.rollout.engine as engine_mod
+
+    real = engine_mod.verify_chain
+
+    def forced(p, q, drafts, mode, uniforms=None):
+        res = real(p, q, drafts, mode, uniforms=uniforms)
+        m = num_accepted(res, drafts)
+        return type(res)(m, res.next_token if next_token is None else next_token(res, p, m))
+
+    monkeypatch.setattr(engine_mod, "verify_chain", forced)
+
+
 @pytest.mark.parametrize("forced", [False, True])  # True: every acceptance count 0..γ, per row and round
 @pytest.mark.parametrize("rows", [4, 1])  # 1: the single-row draft pass (slices, no gathers)
 @pytest.mark.parametrize("layout,gammas", [("deepseek", [3] * 6), ("qwen3_next", [3, 3, 1, 0, 0, 2, 1, 3]),
@@ -73,18 +88,16 @@ def test_draft_distributions_equal_cache_free_recomputation(tmp_path, monkeypatc
     eng.free_slots.remove(0)  # slots 1..rows
     moved = []
     if forced:
-        import bebop_megatron.rollout.engine as engine_mod
+        calls = itertools.count()
 
-        real, calls = engine_mod.verify_chain, itertools.count()
-
-        def forced_verify(p, q, drafts, mode, uniforms=None):
-            res = real(p, q, drafts, mode, uniforms=uniforms)
+        def cycle(res, drafts):
             c, g = next(calls), drafts.shape[1]
             m = torch.tensor([g - (c + i) % (g + 1) for i in range(drafts.shape[0])])
             moved.append(int((m > 0).sum()))
-            return type(res)(m, torch.where(m == res.num_accepted, res.next_token, (res.next_token + 1) % 64))
+            return m
 
-        monkeypatch.setattr(engine_mod, "verify_chain", forced_verify)
+        _force_acceptance(monkeypatch, cycle, lambda res, p, m: torch.where(
+            m == res.num_accepted, res.next_token, (res.next_token + 1) % 64))
     prompts = [[10, 11, 12, 13, 14, 15, 16, 17], [9], [1, 2], [3, 4, 5, 6, 7]][:rows]
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=60, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
     eng.step()  # prefill
@@ -113,18 +126,10 @@ def test_depths_run_over_the_accepted_positions_only(tmp_path, monkeypatch, m):
     """After a round that accepted m of γ = 3 drafts, depth k runs over m + 1 positions where its
     entries from the drafts were kept (m >= k - 1), else over k (the entries that read a rejected
     draft): 4+4+4 after m = 3 (it was 4+5+6 when every draft-fed entry was recomputed)."""
-    import bebop_megatron.rollout.engine as engine_mod
-
     make_hf_checkpoint(tmp_path, "qwen3", "deepseek", num_mtp=3, scale=2.0)
     model = CausalLMWithMTP.from_pretrained(tmp_path, dtype=torch.float64)
     eng = Engine(model, spec=SpecConfig("mtp", 3, "rejection"), max_running=1, max_len=96)
-    real = engine_mod.verify_chain
-
-    def forced_verify(p, q, drafts, mode, uniforms=None):
-        res = real(p, q, drafts, mode, uniforms=uniforms)
-        return type(res)(torch.full_like(res.num_accepted, m), res.next_token)
-
-    monkeypatch.setattr(engine_mod, "verify_chain", forced_verify)
+    _force_acceptance(monkeypatch, lambda res, drafts: torch.full_like(res.num_accepted, m))
     (r,) = [eng.add_request([5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=40, temperature=1.0, seed=0,
                                                                  ignore_eos=True))]
     eng.step()  # prefill
@@ -486,15 +491,8 @@ def test_adaptive_gamma_prices_re_measuring_plain_decoding(qwen3_dir, monkeypatc
     eng._alpha = _FixedAlpha([0.9] * 3)
     # every round emits one token per row (the choice sees α = 0.9 all the same): 999 rounds, and both
     # rows end together (no smaller batch bucket to measure at the end)
-    import bebop_megatron.rollout.engine as engine_mod
-
-    real = engine_mod.verify_chain
-
-    def accept_none(p, q, drafts, mode, uniforms=None):
-        res = real(p, q, drafts, mode, uniforms=uniforms)
-        return type(res)(torch.zeros_like(res.num_accepted), p[:, 0].argmax(-1))
-
-    monkeypatch.setattr(engine_mod, "verify_chain", accept_none)
+    _force_acceptance(monkeypatch, lambda res, drafts: torch.zeros_like(res.num_accepted),
+                      lambda res, p, m: p[:, 0].argmax(-1))
     log, choose = [], eng._choose_gamma
     eng._choose_gamma = lambda B, reqs=None: log.append(choose(B, reqs)) or log[-1]
     eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True))
