@@ -39,6 +39,51 @@ def test_logits_equal_transformers(tmp_path, arch, tie):
     assert (ours.logits(step[0]) - ref[0, 10:13]).abs().max() < 1e-4
 
 
+def test_mtp_input_fold_equals_its_definition_and_follows_weight_updates(qwen3_dir, monkeypatch):
+    """The folded MTP input (a gathered enorm(E)·W_eᵀ table plus W_h·hnorm(h)) equals
+    eh_proj([enorm(emb(x)), hnorm(h)]); an in-place update of any weight it reads rebuilds the
+    table; above MTP_FOLD_MAX_BYTES no table is built."""
+    import bebop_megatron.rollout.modeling as modeling
+
+    m = CausalLMWithMTP.from_pretrained(qwen3_dir[0])
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, m.config.hidden_size, generator=gen)
+    ids = torch.randint(0, m.config.vocab_size, (2, 5), generator=gen)
+
+    def definition(i):
+        mm = m.mtp[i]
+        return mm.eh_proj(torch.cat([mm.enorm(m.embed_tokens(ids)), mm.hnorm(h)], dim=-1))
+
+    with torch.no_grad():
+        for i in range(len(m.mtp)):
+            assert torch.allclose(m.mtp_input(i, h, ids), definition(i), atol=1e-5)
+        assert set(m._mtp_folds) == set(range(len(m.mtp)))
+        for w in (m.mtp[0].eh_proj.weight, m.mtp[0].enorm.weight, m.embed_tokens.weight):
+            w.mul_(1.5)  # in place, as Engine.update_weights copies
+            assert torch.allclose(m.mtp_input(0, h, ids), definition(0), atol=1e-5)
+        monkeypatch.setattr(modeling, "MTP_FOLD_MAX_BYTES", 0)
+        m._mtp_folds.clear()
+        assert torch.allclose(m.mtp_input(1, h, ids), definition(1), atol=1e-5) and not m._mtp_folds
+
+
+def test_single_row_batch_index_views_equal_the_general_path():
+    """One row built on the host reads its causal mask and RoPE rows as slices of cached tables;
+    they equal the general path's (tensor-built) mask and gathered RoPE rows."""
+    from bebop_megatron.rollout.modeling import LMConfig
+
+    m = CausalLMWithMTP(LMConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    for start, n in [(0, 1), (0, 7), (10, 1), (10, 4), (5000, 3)]:
+        one = make_batch_index([2], [start], [n], "cpu")
+        ref = make_batch_index(torch.tensor([2]), torch.tensor([start]), torch.tensor([n]))
+        assert one.single_start == start and ref.single_start is None
+        assert one.attn_mask.shape == ref.attn_mask.shape and torch.equal(one.attn_mask, ref.attn_mask)
+        for a, b in zip(m._rope_for(one, torch.float32), m._rope_for(ref, torch.float32)):
+            assert torch.equal(a, b)
+    two = make_batch_index([0, 1], [3, 5], [2, 2], "cpu")
+    assert two.single_start is None and two.attn_mask.shape == (2, 1, 2, 7)
+
+
 def full_mtp_distributions(model, tokens, gamma, st):
     """Megatron-style (no cache) MTP chain over a whole sequence: q_k at every position."""
     T = len(tokens)

@@ -302,6 +302,36 @@ def test_fast_path_greedy_rows_are_argmax():
     assert torch.equal(res.num_accepted, ref.num_accepted) and torch.equal(res.next_token, ref.next_token)
 
 
+def test_fast_path_one_row_equals_batched_rows():
+    """The one-row verify (accept tests read on the host, the residual row a view) gives each row
+    the tokens the batched path gives it, for the same uniforms: rejections at every depth, all γ
+    accepted, an empty residual (q == p), zero-mass ids in p."""
+    torch.manual_seed(0)
+    B, g, V = 400, 3, 11
+    p = torch.softmax(torch.randn(B, g + 1, V) * 2, -1)
+    p[:, :, 3] = 0  # an id p never emits
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.softmax(torch.randn(B, g, V) * 2, -1)
+    q[: B // 4] = p[: B // 4, :g]  # q == p: every draft passes; the last rows' residuals are empty
+    u = torch.rand(B, 2 * g + 1)
+    d = torch.stack([sample_with_uniform(q[:, k], u[:, k]) for k in range(g)], 1)
+    batched = verify_chain(p, q, d, "rejection", uniforms=u[:, g:])
+    assert batched.host_num_accepted is None
+    seen = set()
+    for i in range(B):
+        one = verify_chain(p[i: i + 1], q[i: i + 1], d[i: i + 1], "rejection", uniforms=u[i: i + 1, g:])
+        assert one.host_num_accepted == one.num_accepted.tolist() == batched.num_accepted[i: i + 1].tolist()
+        assert torch.equal(one.next_token, batched.next_token[i: i + 1])
+        seen.add(one.host_num_accepted[0])
+    assert seen == set(range(g + 1))  # every acceptance count, 0..γ, was exercised
+    # an exactly empty residual at a rejection falls back to p (as the batched path does)
+    q1 = p[:1, :g].clone()
+    one = verify_chain(p[:1], q1, d[:1], "rejection", uniforms=torch.tensor([[1.0] * g + [0.5]]))
+    two = verify_chain(p[:2].clone().copy_(p[:1].expand(2, -1, -1)), q1.expand(2, -1, -1), d[:1].expand(2, -1),
+                       "rejection", uniforms=torch.tensor([[1.0] * g + [0.5]] * 2))
+    assert one.host_num_accepted == [0] and torch.equal(one.next_token, two.next_token[:1])
+
+
 # ------------------------------------------------------------ reduced-vocabulary draft (token map)
 
 TEMP1 = SimpleNamespace(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0)

@@ -787,7 +787,9 @@ class Engine:
         st = self._sampling(reqs)
         mode = self.spec.verify
         slot_l, L_l = [r.slot for r in reqs], [len(r.tokens) for r in reqs]
-        sl = self._slots(reqs)
+        # one row: the verify's reads and writes are slices of the buffers (as in the draft pass)
+        single = B == 1 and L_l[0] + g <= self.cache_len
+        sl = None if single and not self._hybrid else self._slots(reqs)
         u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
         # ---- 1. draft (each depth once, extending over its committed positions as it drafts)
         proc = self._processors(reqs)
@@ -795,25 +797,31 @@ class Engine:
         # ---- 2. verify over [x_{L-1}, d_1..d_γ]: the drafts already sit in ``tok`` after x_{L-1}
         b = make_batch_index(slot_l, [x - 1 for x in L_l], [g + 1] * B, dev, N=g + 1)
         b.keep_states = self._hybrid  # linear-attention states after every position, for the rollback
-        ids = self.tok[sl[:, None], b.positions]
+        s0, a = slot_l[0], L_l[0] - 1  # one row: its slot and first verified position
+        ids = self.tok[s0: s0 + 1, a: a + g + 1] if single else self.tok[sl[:, None], b.positions]
         normed, mtp_in = self.model.trunk(ids, self.trunk_cache, b)
-        self.hid[sl[:, None], b.positions] = mtp_in.to(self.hid.dtype)
+        if single:
+            self.hid[s0: s0 + 1, a: a + g + 1] = mtp_in
+        else:
+            self.hid[sl[:, None], b.positions] = mtp_in.to(self.hid.dtype)
         logits = self.model.logits(normed)  # [B, γ+1, V]
         if proc is not None:  # position j follows the drafts d_1..d_j: they count as output there
             logits = torch.stack([proc.apply(logits[:, j], drafts[:, :j]) for j in range(g + 1)], dim=1)
         p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
         res = verify_chain(p, q, drafts, "greedy" if st.all_greedy else mode, uniforms=u[:, g:])
         num_acc, nxt = res.num_accepted, res.next_token
-        m_l = num_acc.tolist()
+        m_l = res.host_num_accepted if res.host_num_accepted is not None else num_acc.tolist()
         self._keep_draft_entries(slot_l, L_l, m_l, g)
         if self._hybrid:  # x_{L-1}, d_1..d_m are committed, the bonus token is not processed yet:
             self.trunk_cache.rollback(sl, num_acc)  # linear-attention state := the one after d_m
         # drafts d_1..d_m stay in ``tok``; the next token goes after them (the rest is scratch)
-        self.tok[sl, b.positions[:, 1] + num_acc] = nxt
-        emitted = torch.cat([drafts, nxt[:, None]], dim=1)
-        emitted[torch.arange(B, device=dev), num_acc] = nxt
-        # ---- 3. commit + metrics (one host transfer)
-        em_l = emitted.tolist()
+        if single:
+            self.tok[s0, a + 1 + m_l[0]: a + 2 + m_l[0]] = nxt
+        else:
+            self.tok[sl, b.positions[:, 1] + num_acc] = nxt
+        # ---- 3. commit + metrics (the drafts and next tokens to the host: accepted drafts, then the next)
+        d_l, nxt_l = drafts.tolist(), nxt.tolist()
+        em_l = [d_l[i][: m_l[i]] + [nxt_l[i]] for i in range(B)]
         round_emit = 0
         for i, r in enumerate(reqs):
             m = m_l[i]

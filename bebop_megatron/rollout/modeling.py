@@ -498,6 +498,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+MTP_FOLD_MAX_BYTES = 64 << 20  # fold an MTP module's embedding half into a table up to this size
+
+
 class MTPModule(nn.Module):
     def __init__(self, c: LMConfig):
         super().__init__()
@@ -528,6 +531,7 @@ class BatchIndex:
     slot_range: Optional[tuple[int, int]] = None  # (first, count) when slots are consecutive: caches read as views
     keep_states: bool = False  # linear-attention layers keep their state after every position (rollback)
     host_max_position: Optional[int] = None  # the largest position, when the host knows it
+    single_start: Optional[int] = None  # one row, built on the host: its first position (RoPE rows are a slice)
     _writes: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # cache length -> (slots, positions) to write at
 
     def write_index(self, max_len: int) -> tuple[Tensor, Tensor]:
@@ -585,12 +589,35 @@ def make_batch_index(slots, starts, lengths, device=None, N: Optional[int] = Non
             N = int(lens.max())
         span = int((start + lens).max())
         positions = start[:, None] + _arange(N, device)[None, :]
-    keys = _arange(span, device)
-    mask = keys[None, None, :] <= positions[:, :, None]  # causal within the slot
+    single = host_max is not None and B == 1
+    if single and N <= _CAUSAL_ROWS and span <= start_l[0] + N:
+        mask = _causal_window(start_l[0], N, span, device)  # a view: nothing computed
+    else:
+        mask = (_arange(span, device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # causal within the slot
     rng = None
     if slot_list is not None and slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list))):
         rng = (slot_list[0], len(slot_list))
-    return BatchIndex(slots, start, lens, positions, mask.unsqueeze(1), span, rng, host_max_position=host_max)
+    return BatchIndex(slots, start, lens, positions, mask, span, rng, host_max_position=host_max,
+                      single_start=start_l[0] if single else None)
+
+
+_CAUSAL_ROWS = 64  # one row's forwards of at most this many positions read their mask from a table
+_CAUSAL: dict = {}  # device -> (C, table [rows, C + rows]) with table[i, j] = j <= i + C
+
+
+def _causal_window(start: int, n: int, span: int, device) -> Tensor:
+    """[1, 1, n, span] mask of positions start..start+n-1 over keys 0..span-1 (key j <= position),
+    as a view of a cached table: row i of the table shifted by C - start columns is
+    j <= start + i. Decoding one row builds this mask every forward (4 per speculative round)."""
+    key = str(device) if device is not None else "cpu"
+    ent = _CAUSAL.get(key)
+    if ent is None or ent[0] < start:
+        C = max(4096, 2 * start, 2 * ent[0] if ent is not None else 0)
+        rows = torch.arange(_CAUSAL_ROWS, device=device)
+        cols = torch.arange(C + _CAUSAL_ROWS, device=device)
+        ent = _CAUSAL[key] = (C, cols[None, :] <= rows[:, None] + C)
+    C, tab = ent
+    return tab[:n, C - start: C - start + span][None, None]
 
 
 class LayerCache:
@@ -683,6 +710,8 @@ class CausalLMWithMTP(nn.Module):
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_mtp_modules)])
+        self._mtp_modules = list(self.mtp)  # plain list: indexing a ModuleList costs a few µs per draft step
+        self._mtp_folds: dict = {}  # module -> (weights' key, folded embedding-half table, W_hᵀ)
         rd = c.rotary_dim  # partial RoPE: the first rd dims of each head
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
         self.register_buffer("inv_freq", inv.float(), persistent=False)
@@ -692,9 +721,11 @@ class CausalLMWithMTP(nn.Module):
     def has_mtp(self) -> bool:
         return len(self.mtp) > 0
 
-    def _rope(self, positions: Tensor, dtype, need: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    def _rope(self, positions: Tensor, dtype, need: Optional[int] = None,
+              start: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """cos/sin [B, N, 1, hd] from a table precomputed (in float64, then cast) per dtype/device;
-        ``need`` (table rows, e.g. a BatchIndex's padded span) saves reading max(positions)."""
+        ``need`` (table rows, e.g. a BatchIndex's padded span) saves reading max(positions); one row
+        whose first position ``start`` the host knows (positions start..start+N-1) reads a slice."""
         if need is None:
             need = int(positions.max()) + 1 if positions.numel() else 1
         key = (dtype, positions.device)
@@ -706,7 +737,13 @@ class CausalLMWithMTP(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             tab = (emb.cos().to(dtype), emb.sin().to(dtype))
             self._rope_tables[key] = tab
+        if start is not None:
+            n = positions.shape[1]
+            return tab[0][start: start + n][None, :, None, :], tab[1][start: start + n][None, :, None, :]
         return tab[0][positions][:, :, None, :], tab[1][positions][:, :, None, :]
+
+    def _rope_for(self, b: BatchIndex, dtype) -> tuple[Tensor, Tensor]:
+        return self._rope(b.positions, dtype, b.span + b.positions.shape[1], b.single_start)
 
     def logits(self, hidden: Tensor) -> Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -726,7 +763,7 @@ class CausalLMWithMTP(nn.Module):
     def trunk(self, ids: Tensor, cache: KVCache, b: BatchIndex) -> tuple[Tensor, Tensor]:
         """Returns (normed hidden, hidden fed to MTP) [B, N, h]."""
         x = self.embed_tokens(ids)
-        cos, sin = self._rope(b.positions, x.dtype, b.span + b.positions.shape[1])
+        cos, sin = self._rope_for(b, x.dtype)
         for layer, lc in zip(self.layers, cache.layers):
             x = layer(x, cos, sin, lc, b)
         normed = self.norm(x)
@@ -735,13 +772,49 @@ class CausalLMWithMTP(nn.Module):
     @torch.no_grad()
     def mtp_step(self, depth: int, hidden: Tensor, ids: Tensor, cache: KVCache, b: BatchIndex) -> Tensor:
         """MTP depth ``depth`` (0-based): previous-depth hidden + embedding of the token k ahead."""
-        m = self.mtp[depth % len(self.mtp)]
-        e = m.enorm(self.embed_tokens(ids))
-        x = m.eh_proj(torch.cat([e, m.hnorm(hidden)], dim=-1))
-        cos, sin = self._rope(b.positions, x.dtype, b.span + b.positions.shape[1])
+        i = depth % len(self.mtp)
+        m = self._mtp_modules[i] if len(self._mtp_modules) == len(self.mtp) else self.mtp[i]
+        x = self.mtp_input(i, hidden, ids)
+        cos, sin = self._rope_for(b, x.dtype)
         for layer, lc in zip(m.layers, cache.layers):
             x = layer(x, cos, sin, lc, b)
         return m.final_norm(x)
+
+    def mtp_input(self, i: int, hidden: Tensor, ids: Tensor) -> Tensor:
+        """MTP module ``i``'s input eh_proj([enorm(emb(ids)), hnorm(hidden)]) [B, N, h].
+
+        The embedding half depends on the token only. Where its table enorm(E)·W_eᵀ [V, h] is small
+        (at most ``MTP_FOLD_MAX_BYTES``: small vocabularies, as the CPU models'), it is computed once
+        per weight version and the input is one gather plus one addmm with W_h, instead of an
+        embedding, a norm, a concat and a 2h-wide projection: a draft step runs at per-op cost on
+        a CPU, and a speculative round runs γ of them. A real vocabulary's table (V·h, as large as
+        the embedding) is not built: the unfolded path runs there. Equal up to float rounding."""
+        m = self.mtp[i]
+        fold = self._mtp_fold(i, m)
+        if fold is None:
+            e = m.enorm(self.embed_tokens(ids))
+            return m.eh_proj(torch.cat([e, m.hnorm(hidden)], dim=-1))
+        table, w_h = fold
+        h = table.shape[1]
+        x = F.embedding(ids, table)
+        return torch.addmm(x.view(-1, h), m.hnorm(hidden).reshape(-1, h), w_h).view(x.shape)
+
+    def _mtp_fold(self, i: int, m: "MTPModule") -> Optional[tuple[Tensor, Tensor]]:
+        """(enorm(E)·W_eᵀ [V, h], W_hᵀ [h, h]) for module i, rebuilt when a weight it reads
+        changes (an in-place update bumps the parameter's version; a move changes its storage);
+        None when the table would exceed ``MTP_FOLD_MAX_BYTES``."""
+        E, w = self.embed_tokens.weight, m.eh_proj.weight
+        if E.numel() * E.element_size() > MTP_FOLD_MAX_BYTES:
+            return None
+        key = tuple((t.data_ptr(), t._version, t.dtype) for t in (E, m.enorm.weight, w))
+        ent = self._mtp_folds.get(i)
+        if ent is None or ent[0] != key:
+            h = E.shape[1]
+            with torch.no_grad():
+                table = F.linear(m.enorm(E.detach()), w.detach()[:, :h]).contiguous()
+                w_h = w.detach()[:, h:].t().contiguous()
+            ent = self._mtp_folds[i] = (key, (table, w_h))
+        return ent[1]
 
     # ------------------------------------------------------------------ weights
     def hf_state_dict_names(self) -> dict[str, str]:

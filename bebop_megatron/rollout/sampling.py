@@ -185,7 +185,10 @@ def sample_rows(probs: Tensor, generators: Sequence[Optional[torch.Generator]]) 
 def round_uniforms(generators: Sequence[Optional[torch.Generator]], n: int, dtype=torch.float32,
                    device=None) -> Tensor:
     """All the uniforms a request needs for one round, [B, n]: one draw per request."""
-    u = torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])
+    if len(generators) == 1:
+        u = torch.rand(n, generator=generators[0], dtype=torch.float64)[None]
+    else:
+        u = torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])
     # u > 0, as ``sample_with_uniform`` needs (rand can return 0.0, with probability 2^-53)
     return u.to(device=device, dtype=dtype).clamp_min_(torch.finfo(dtype).tiny)
 
@@ -202,7 +205,8 @@ def sample_with_uniform(probs: Tensor, u: Tensor) -> Tensor:
     step inside a run of zeros), so there a zero-mass pick falls back to the argmax, as
     ``_inverse_cdf`` does. Rows of ``probs`` need not be normalised (the verify's residual is not)."""
     cdf = probs.cumsum(-1)
-    tok = (cdf < (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)).sum(-1)
+    # entries below v: searchsorted's left insertion point (one op where a compare and a sum are two)
+    tok = torch.searchsorted(cdf, u.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]).squeeze(-1)
     if probs.device.type != "cpu":
         tok = torch.where(probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) > 0, tok, probs.argmax(-1))
     return tok
@@ -228,6 +232,7 @@ def draft_tokens(draft_probs: Tensor, mode: str, generators) -> Tensor:
 class VerifyResult:
     num_accepted: Tensor  # [B] accepted drafts, 0..γ
     next_token: Tensor  # [B] the resampled / bonus token emitted after the accepted drafts
+    host_num_accepted: Optional[list] = None  # num_accepted as host ints, where the path has them
 
     def emitted(self, drafts: Tensor) -> list[list[int]]:
         """Per row: accepted drafts followed by the next token."""
@@ -332,6 +337,8 @@ def _verify_rejection_fast(p: Tensor, q: Tensor, drafts: Tensor, u: Tensor) -> V
     p_at = p[:, :gamma].gather(-1, dk).squeeze(-1)
     q_at = q.gather(-1, dk).squeeze(-1)
     accept = u[:, :gamma].to(p.dtype) * q_at < p_at
+    if B == 1:
+        return _next_token_one_row(p[0], q[0], accept[0].tolist(), u[0, gamma:])
     num_accepted = accept.cumprod(-1).sum(-1)  # leading accepted drafts, [B] long
     rows = _arange(B, p.device)
     p_next = p[rows, num_accepted]
@@ -340,6 +347,21 @@ def _verify_rejection_fast(p: Tensor, q: Tensor, drafts: Tensor, u: Tensor) -> V
     empty = residual.sum(-1, keepdim=True) <= _empty_residual_mass(p.dtype)
     dist = torch.where(empty, p_next, residual)
     return VerifyResult(num_accepted, sample_with_uniform(dist, u[:, gamma]))
+
+
+def _next_token_one_row(p: Tensor, q: Tensor, accept: list, u: Tensor) -> VerifyResult:
+    """The rest of ``_verify_rejection_fast`` for one row, from its accept tests on the host (the
+    engine reads the count there anyway): the residual row is a view, picked by a host integer,
+    not a gather, and an empty residual is a host test. The same arithmetic as the batched path,
+    so the same tokens for the same uniforms; one row is what batch 1 and the long tail run."""
+    m = next((j for j, a in enumerate(accept) if not a), len(accept))
+    dist = p[m]
+    if m < len(accept):  # rejected at draft m+1: its residual, unless empty (p == q up to rounding)
+        residual = (dist - q[m]).clamp_min_(0.0)
+        if float(residual.sum()) > _empty_residual_mass(p.dtype):
+            dist = residual
+    nxt = sample_with_uniform(dist[None], u)
+    return VerifyResult(torch.tensor([m], device=p.device), nxt, [m])
 
 
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
