@@ -110,6 +110,13 @@ def test_bad_data_and_load_paths_are_clear_errors(tmp_path):
     assert proc.returncode == 2 and "d.jsonl:2: token id 500" in proc.stderr and "Traceback" not in proc.stderr
     proc = train(tmp_path / "o2", f"train.load={tmp_path / 'nothing'}", check=False)
     assert proc.returncode == 2 and "holds no checkpoint" in proc.stderr
+    # a rerun resumes in its output_dir: a run of another model there (separate heads, not the
+    # recurrent one) is refused by name, not loaded in part
+    short = ["train.trunk_warmup_steps=0", "train.steps=2", "mtp.warmup_steps=0", "mtp.kl_warmup_steps=0"]
+    train(tmp_path / "o3", *short, "model.mtp_recurrent=false")
+    proc = train(tmp_path / "o3", *short, "train.steps=4", "model.mtp_recurrent=true", check=False)
+    assert proc.returncode == 2 and "mtp_recurrent: False there, True here" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_bad_config_is_a_clear_error(tmp_path):

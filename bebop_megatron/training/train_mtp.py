@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from bebop_megatron.checkpointing import latest_checkpoint, load_checkpoint, load_model_weights, save_checkpoint
+from bebop_megatron.checkpointing import (CheckpointMismatch, checkpoint_config, latest_checkpoint, load_checkpoint,
+                                          load_model_weights, save_checkpoint)
 from bebop_megatron.config import Config
 from bebop_megatron.data import build_dataset, microbatches_for_step
 from bebop_megatron.model import build_model
@@ -81,6 +82,25 @@ class _Logger:
             self.writer.close()
 
 
+# model fields a resume may change: how the same weights are run or initialised, not their shapes
+_RUNTIME_MODEL_FIELDS = {"transformer_impl", "fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len",
+                         "fp8_amax_compute_algo", "fp8_mtp", "params_dtype", "init_method_std",
+                         "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_aux_loss_coeff"}
+
+
+def _check_same_model(cfg: Config, ckpt: Path) -> None:
+    """A resume continues the run in ``output_dir``: refuse a checkpoint of another model (say the
+    3-head default of before against today's recurrent head), which would load a subset of its
+    tensors, or fail deep in the optimizer, instead of saying so."""
+    saved = checkpoint_config(ckpt).get("model", {})
+    now = cfg.to_dict()["model"]
+    diff = sorted(k for k in now if k not in _RUNTIME_MODEL_FIELDS and k in saved and saved[k] != now[k])
+    if diff:
+        shown = ", ".join(f"{k}: {saved[k]!r} there, {now[k]!r} here" for k in diff[:4])
+        raise CheckpointMismatch(f"{ckpt} was written by a run of another model ({shown}); a rerun resumes the "
+                                 f"run in train.output_dir: give a fresh output_dir, or remove it (make clean)")
+
+
 def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: int, lr: float,
               init_from: Optional[Path], fresh_heads: bool = False) -> PhaseResult:
     """One phase (``trunk`` SFT or ``mtp`` head training) from ``init_from`` or its own resume
@@ -97,6 +117,7 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
     step, consumed = 0, 0
     resume_from = latest_checkpoint(root) if cfg.train.resume else None
     if resume_from is not None:
+        _check_same_model(cfg, resume_from)
         extra = load_checkpoint(resume_from, ddp, opt)
         step, consumed = int(extra["step"]), int(extra["consumed_samples"])
         if "scheduler" in extra:
