@@ -42,7 +42,7 @@ def test_logits_equal_transformers(tmp_path, arch, tie):
 def test_mtp_input_fold_equals_its_definition_and_follows_weight_updates(qwen3_dir, monkeypatch):
     """The folded MTP input (a gathered enorm(E)·W_eᵀ table plus W_h·hnorm(h)) equals
     eh_proj([enorm(emb(x)), hnorm(h)]); an in-place update of any weight it reads rebuilds the
-    table; above MTP_FOLD_MAX_BYTES no table is built."""
+    table; no table above MTP_FOLD_MAX_BYTES, with autograd on, or for inference-mode weights."""
     import bebop_megatron.rollout.modeling as modeling
 
     m = CausalLMWithMTP.from_pretrained(qwen3_dir[0])
@@ -64,6 +64,17 @@ def test_mtp_input_fold_equals_its_definition_and_follows_weight_updates(qwen3_d
         monkeypatch.setattr(modeling, "MTP_FOLD_MAX_BYTES", 0)
         m._mtp_folds.clear()
         assert torch.allclose(m.mtp_input(1, h, ids), definition(1), atol=1e-5) and not m._mtp_folds
+    monkeypatch.setattr(modeling, "MTP_FOLD_MAX_BYTES", 64 << 20)
+    # with autograd on, the (detached) table is not used: gradients reach the embedding and the norms
+    m.mtp_input(0, h, ids).sum().backward()
+    assert not m._mtp_folds and m.embed_tokens.weight.grad is not None and m.mtp[0].enorm.weight.grad is not None
+    # inference-mode weights have no version counter to key the table on: the unfolded path runs
+    with torch.inference_mode():
+        mi = CausalLMWithMTP.from_pretrained(qwen3_dir[0])
+        mm = mi.mtp[0]
+        ref = mm.eh_proj(torch.cat([mm.enorm(mi.embed_tokens(ids)), mm.hnorm(h)], dim=-1))
+        assert torch.allclose(mi.mtp_input(0, h, ids), ref, atol=1e-5)
+    assert not mi._mtp_folds
 
 
 def test_single_row_batch_index_views_equal_the_general_path():

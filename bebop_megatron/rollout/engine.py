@@ -788,7 +788,7 @@ class Engine:
         mode = self.spec.verify
         slot_l, L_l = [r.slot for r in reqs], [len(r.tokens) for r in reqs]
         # one row: the verify's reads and writes are slices of the buffers (as in the draft pass)
-        single = B == 1 and L_l[0] + g <= self.cache_len
+        single = B == 1 and L_l[0] + g < self.cache_len  # the next token's place L+m (m <= γ) fits
         sl = None if single and not self._hybrid else self._slots(reqs)
         u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
         # ---- 1. draft (each depth once, extending over its committed positions as it drafts)

@@ -710,7 +710,6 @@ class CausalLMWithMTP(nn.Module):
         self.norm = _norm(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.mtp = nn.ModuleList([MTPModule(c) for _ in range(c.num_mtp_modules)])
-        self._mtp_modules = list(self.mtp)  # plain list: indexing a ModuleList costs a few µs per draft step
         self._mtp_folds: dict = {}  # module -> (weights' key, folded embedding-half table, W_hᵀ)
         rd = c.rotary_dim  # partial RoPE: the first rd dims of each head
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
@@ -773,8 +772,8 @@ class CausalLMWithMTP(nn.Module):
     def mtp_step(self, depth: int, hidden: Tensor, ids: Tensor, cache: KVCache, b: BatchIndex) -> Tensor:
         """MTP depth ``depth`` (0-based): previous-depth hidden + embedding of the token k ahead."""
         i = depth % len(self.mtp)
-        m = self._mtp_modules[i] if len(self._mtp_modules) == len(self.mtp) else self.mtp[i]
-        x = self.mtp_input(i, hidden, ids)
+        m = self.mtp[i]
+        x = self._mtp_input(i, m, hidden, ids)
         cos, sin = self._rope_for(b, x.dtype)
         for layer, lc in zip(m.layers, cache.layers):
             x = layer(x, cos, sin, lc, b)
@@ -788,8 +787,13 @@ class CausalLMWithMTP(nn.Module):
         per weight version and the input is one gather plus one addmm with W_h, instead of an
         embedding, a norm, a concat and a 2h-wide projection: a draft step runs at per-op cost on
         a CPU, and a speculative round runs γ of them. A real vocabulary's table (V·h, as large as
-        the embedding) is not built: the unfolded path runs there. Equal up to float rounding."""
-        m = self.mtp[i]
+        the embedding) is not built: the unfolded path runs there, as it does with autograd on (the table is
+        detached) and for inference-mode weights (no version counter). Equal up to float rounding. Weight
+        updates must be in place (``copy_``, as ``load_hf_state_dict`` does): writes through ``.data`` do not
+        bump the version the table is keyed on."""
+        return self._mtp_input(i, self.mtp[i], hidden, ids)
+
+    def _mtp_input(self, i: int, m: "MTPModule", hidden: Tensor, ids: Tensor) -> Tensor:
         fold = self._mtp_fold(i, m)
         if fold is None:
             e = m.enorm(self.embed_tokens(ids))
@@ -804,7 +808,8 @@ class CausalLMWithMTP(nn.Module):
         changes (an in-place update bumps the parameter's version; a move changes its storage);
         None when the table would exceed ``MTP_FOLD_MAX_BYTES``."""
         E, w = self.embed_tokens.weight, m.eh_proj.weight
-        if E.numel() * E.element_size() > MTP_FOLD_MAX_BYTES:
+        if (E.numel() * E.element_size() > MTP_FOLD_MAX_BYTES or torch.is_grad_enabled()
+                or any(t.is_inference() for t in (E, m.enorm.weight, w))):
             return None
         key = tuple((t.data_ptr(), t._version, t.dtype) for t in (E, m.enorm.weight, w))
         ent = self._mtp_folds.get(i)

@@ -338,7 +338,7 @@ def _verify_rejection_fast(p: Tensor, q: Tensor, drafts: Tensor, u: Tensor) -> V
     q_at = q.gather(-1, dk).squeeze(-1)
     accept = u[:, :gamma].to(p.dtype) * q_at < p_at
     if B == 1:
-        return _next_token_one_row(p[0], q[0], accept[0].tolist(), u[0, gamma:])
+        return _next_token_one_row(p[0], q[0], accept[0].tolist(), u[0, gamma: gamma + 1])
     num_accepted = accept.cumprod(-1).sum(-1)  # leading accepted drafts, [B] long
     rows = _arange(B, p.device)
     p_next = p[rows, num_accepted]
