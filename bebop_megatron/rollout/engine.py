@@ -979,13 +979,14 @@ class Engine:
         tail entry min(m_i, k-1)), for every depth the pass ran. The pass covers p: it starts at
         most at max(L-k-1, 0), where the last keep (or a prefill) left valid[k]; only a row of at
         most k tokens has p < 0 (no output there; valid[k] stays 0). Carry rows are strided by
-        the engine's γ, not the round's. One copy for every depth and row: a slice for one row,
-        else the depths' tails side by side and one host-built index (source rows, then carry rows)."""
+        the engine's γ, not the round's. One row: a copy per depth; more: one copy for every depth
+        and row, from the depths' tails side by side, by one host-built index (source rows, then carry rows)."""
         tails, self._draft_tails = self._draft_tails, [None]  # used once: not kept across rounds
         h = self.carry.shape[-1]
         carry = self.carry.view(-1, h)
         B = len(slot_l)
         src, dst, base = [], [], 0  # tail rows (all depths' [B * k] rows in turn) -> carry rows
+        local = []  # the same tail rows, as (depth, row within that depth's tail)
         for k in range(1, g + 1):
             start = tails[k][1]
             for i, s in enumerate(slot_l):
@@ -995,17 +996,17 @@ class Engine:
                 if p >= max(start[i], 0):
                     src.append(base + i * k + j)
                     dst.append(s * (self.gamma + 1) + k)
+                    local.append((k, i * k + j))
             base += B * k
         if not src:
             return
-        flat = [tails[k][0].reshape(-1, h) for k in range(1, g + 1)]
-        if B == 1 and len(src) == g:  # one row, every depth: carry rows s·(γ+1)+1.. are consecutive
-            rows = carry[dst[0]: dst[0] + g]
-            for k in range(g):
-                rows[k].copy_(flat[k][src[k] - k * (k + 1) // 2])
+        flat = [None] + [tails[k][0].reshape(-1, h) for k in range(1, g + 1)]
+        if B == 1:  # one row: a slice copy per depth (its carry rows s·(γ+1)+k)
+            for (k, row), d in zip(local, dst):
+                carry[d].copy_(flat[k][row])
             return
         idx = torch.tensor(src + dst, dtype=torch.long, device=self.device)
-        every = torch.cat(flat) if len(flat) > 1 else flat[0]
+        every = torch.cat(flat[1:]) if g > 1 else flat[1]
         carry.index_copy_(0, idx[len(src):], every.index_select(0, idx[: len(src)]))
 
     def _draft_head(self) -> Tensor:
