@@ -613,8 +613,7 @@ def _causal_window(start: int, n: int, span: int, device) -> Tensor:
     ent = _CAUSAL.get(key)
     if ent is None or ent[0] < start:
         C = max(4096, 2 * start, 2 * ent[0] if ent is not None else 0)
-        rows = torch.arange(_CAUSAL_ROWS, device=device)
-        cols = torch.arange(C + _CAUSAL_ROWS, device=device)
+        rows, cols = _arange(_CAUSAL_ROWS, device), _arange(C + _CAUSAL_ROWS, device)
         ent = _CAUSAL[key] = (C, cols[None, :] <= rows[:, None] + C)
     C, tab = ent
     return tab[:n, C - start: C - start + span][None, None]
