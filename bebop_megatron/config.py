@@ -134,6 +134,11 @@ class ModelConfig:
     # One MTP layer applied γ = mtp_num_layers times, each step fed the previous step's hidden and
     # the next ground-truth token (Qwen3-Next / Qwen3.5 / GLM; megatron-core 0.17 mtp_use_repeated_layer)
     mtp_recurrent: bool = False
+    # Width of the MTP layers' dense MLP (None: ffn_hidden_size, as every Qwen/DeepSeek MTP layer ships).
+    # A narrower draft layer is cheaper to run and has less capacity: the setting where how the
+    # objective spends that capacity matters most (issue #11's "smaller heads"). Exported to HF as
+    # ``bebop_mtp_intermediate_size``.
+    mtp_ffn_hidden_size: Optional[int] = None
     # ---- Qwen3.5-style hybrid (arch qwen3_5): Gated DeltaNet layers + gated full attention,
     # zero-centred RMSNorm ((1+w)·x̂), partial RoPE. layer_types wins over full_attention_interval.
     layer_types: Optional[list] = None  # per layer "linear_attention" | "full_attention"
@@ -434,6 +439,14 @@ class Config:
             errors.append(f"num_query_groups {m.num_query_groups} not divisible by TP {tp}")
         if m.ffn_hidden_size % tp:
             errors.append(f"ffn_hidden_size {m.ffn_hidden_size} not divisible by TP {tp}")
+        if m.mtp_ffn_hidden_size is not None:
+            if not isinstance(m.mtp_ffn_hidden_size, int) or m.mtp_ffn_hidden_size < 1:
+                errors.append(f"model.mtp_ffn_hidden_size must be null or >= 1, got {m.mtp_ffn_hidden_size!r}")
+            elif m.mtp_ffn_hidden_size % tp:
+                errors.append(f"model.mtp_ffn_hidden_size {m.mtp_ffn_hidden_size} not divisible by TP {tp}")
+            if m.moe:
+                errors.append("model.mtp_ffn_hidden_size is for dense MTP layers; an MoE model's MTP layer is "
+                              "MoE (its width is moe_ffn_hidden_size)")
         if m.padded_vocab is not None and m.padded_vocab < m.vocab_size:
             errors.append(f"model.padded_vocab {m.padded_vocab} < vocab_size {m.vocab_size}")
         if m.padded_vocab_size(tp) % tp:

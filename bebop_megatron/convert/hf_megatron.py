@@ -125,6 +125,7 @@ def config_from_hf(cfg: dict, mtp_layers: Optional[int] = None, vocab_multiple: 
         add_qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), mtp_num_layers=gamma,
         mtp_recurrent=layout == "qwen3_next",
+        mtp_ffn_hidden_size=int(cfg.get("bebop_mtp_intermediate_size") or 0) or None,
     )
     if arch in HYBRID_ARCHS:
         m.qk_layernorm, m.add_qkv_bias = True, bool(cfg.get("attention_bias", False))

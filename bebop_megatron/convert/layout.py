@@ -67,6 +67,7 @@ class Shapes:
     # MoE archs only: (num_experts, topk, moe_ffn, shared_ffn, norm_topk_prob, layer_freq, mlp_only_layers)
     moe: tuple = ()
     ffn_hidden_size: int = 0
+    mtp_ffn_hidden_size: int = 0  # a narrower MTP MLP (0: ffn_hidden_size); HF: bebop_mtp_intermediate_size
 
     @classmethod
     def from_config(cls, cfg, tp: int = 1, mtp_layout: str = "deepseek", hf_prefix: str = "model.") -> "Shapes":
@@ -84,7 +85,7 @@ class Shapes:
                    moe=(m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
                         m.moe_shared_expert_intermediate_size, bool(m.moe_norm_topk_prob), int(m.moe_layer_freq),
                         tuple(m.mlp_only_layers or ())) if m.arch in MOE_ARCHS else (),
-                   ffn_hidden_size=m.ffn_hidden_size)
+                   ffn_hidden_size=m.ffn_hidden_size, mtp_ffn_hidden_size=m.mtp_ffn_hidden_size or 0)
 
     @property
     def hybrid(self) -> bool:
@@ -342,6 +343,8 @@ def _mtp_keys(cfg: dict, s: Shapes) -> None:
         else:
             cfg["mtp_num_hidden_layers"] = 1
         cfg["bebop_mtp_draft_steps"] = s.mtp_layers  # γ the module was trained for
+        if s.mtp_ffn_hidden_size and s.mtp_ffn_hidden_size != s.ffn_hidden_size:
+            cfg["bebop_mtp_intermediate_size"] = s.mtp_ffn_hidden_size
 
 
 _HF_CLASSES = {"qwen3_5": ("Qwen3_5ForCausalLM", "qwen3_5_text"),

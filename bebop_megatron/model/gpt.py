@@ -56,6 +56,7 @@ class BebopGPTModel(GPTModel):
         true_vocab_size: Optional[int] = None,
         fp8_mtp: bool = True,
         mtp_recurrent: bool = False,
+        mtp_ffn_hidden_size: Optional[int] = None,
         **kwargs,
     ):
         if mtp_recurrent and kwargs.get("mtp_block_spec") is not None:
@@ -65,7 +66,9 @@ class BebopGPTModel(GPTModel):
             kwargs["mtp_block_spec"] = one_layer_block_spec(kwargs["mtp_block_spec"])
         super().__init__(*args, **kwargs)
         self.mtp_recurrent = mtp_recurrent
-        if self.mtp_process and (mtp_recurrent or (self.config.fp8 and not fp8_mtp)):
+        narrow = mtp_ffn_hidden_size is not None and mtp_ffn_hidden_size != self.config.ffn_hidden_size
+        self.mtp_ffn_hidden_size = mtp_ffn_hidden_size if narrow else None
+        if self.mtp_process and (mtp_recurrent or narrow or (self.config.fp8 and not fp8_mtp)):
             self._rebuild_mtp(kwargs.get("vp_stage"), fp8=fp8_mtp or not self.config.fp8)
         self.mtp_loss_type = mtp_loss
         self.mtp_detach_trunk = mtp_detach_trunk
@@ -92,14 +95,18 @@ class BebopGPTModel(GPTModel):
         * ``fp8=False``: keep the MTP layers in bf16 under an FP8 trunk. megatron-core 0.16.1 runs
           them in the global FP8 context whenever ``config.fp8`` is set, and FP8 noise in the draft
           heads costs acceptance; the block is rebuilt from a config copy with FP8 off (its own fp8
-          checks then give a null context; the trunk keeps FP8)."""
+          checks then give a null context; the trunk keeps FP8);
+        * ``mtp_ffn_hidden_size``: the MTP layers' MLP from a config copy of that width."""
         import dataclasses
 
         from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
         from bebop_megatron.model.recurrent_mtp import RecurrentMultiTokenPredictionBlock
 
-        config = self.config if fp8 else dataclasses.replace(self.config, fp8=None)
+        changes = {} if fp8 else {"fp8": None}
+        if self.mtp_ffn_hidden_size is not None:
+            changes["ffn_hidden_size"] = self.mtp_ffn_hidden_size
+        config = dataclasses.replace(self.config, **changes) if changes else self.config
         cls = RecurrentMultiTokenPredictionBlock if self.mtp_recurrent else MultiTokenPredictionBlock
         self.mtp = cls(config=config, spec=self.mtp_block_spec, vp_stage=vp_stage)
 
@@ -335,6 +342,7 @@ def build_model(cfg: Config, platform: Platform, initialize: bool = True) -> Beb
         true_vocab_size=m.vocab_size,
         fp8_mtp=m.fp8_mtp,
         mtp_recurrent=m.mtp_recurrent,
+        mtp_ffn_hidden_size=m.mtp_ffn_hidden_size,
     )
     if not initialize:
         from bebop_megatron.model.tp_layout import ensure_tp_attributes

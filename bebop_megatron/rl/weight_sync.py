@@ -26,7 +26,7 @@ def rollout_model_for(cfg: Config, dtype=None) -> CausalLMWithMTP:
                   num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, rms_norm_eps=m.norm_epsilon,
                   rope_theta=m.rotary_base, qk_norm=bool(m.qk_layernorm), qkv_bias=bool(m.add_qkv_bias),
                   tie_word_embeddings=m.tie_word_embeddings, num_mtp_modules=1 if m.mtp_recurrent else m.mtp_num_layers,
-                  mtp_layout="deepseek", mtp_hidden="normed")
+                  mtp_layout="deepseek", mtp_hidden="normed", mtp_intermediate_size=m.mtp_ffn_hidden_size or 0)
     if m.hybrid:  # Qwen3.5-style: Gated DeltaNet + gated attention; ONE MTP module in the mtp.* layout
         lm.layer_types = tuple(m.resolved_layer_types())
         lm.linear_key_head_dim, lm.linear_value_head_dim = m.linear_key_head_dim, m.linear_value_head_dim

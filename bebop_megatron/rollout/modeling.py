@@ -66,6 +66,7 @@ class LMConfig:
     mtp_layers_per_module: int = 1
     mtp_layout: str = "deepseek"  # deepseek | qwen3_next
     mtp_hidden: str = "normed"  # normed (megatron-core) | prenorm
+    mtp_intermediate_size: int = 0  # the MTP layers' dense MLP width (0: intermediate_size)
     eos_token_id: Optional[int] = None
     # Qwen3.5-style hybrid: per-layer "linear_attention" (Gated DeltaNet) | "full_attention"
     layer_types: tuple = ()
@@ -116,7 +117,8 @@ class LMConfig:
         if isinstance(cfg.get("text_config"), dict):  # Qwen3_5(Moe)ForConditionalGeneration: the text model's fields
             top = cfg
             cfg = dict(top["text_config"])
-            for key in ("tie_word_embeddings", "mtp_num_hidden_layers", "bebop_mtp_hidden", "eos_token_id"):
+            for key in ("tie_word_embeddings", "mtp_num_hidden_layers", "bebop_mtp_hidden", "bebop_mtp_intermediate_size",
+                        "eos_token_id"):
                 if key in top and key not in cfg:
                     cfg[key] = top[key]
             cfg.setdefault("model_type", "qwen3_5_moe_text" if moe_family else "qwen3_5_text")
@@ -146,6 +148,7 @@ class LMConfig:
             mtp_layers_per_module=n_q3n if (n_q3n and not n_ds) else 1,
             mtp_layout="deepseek" if n_ds else "qwen3_next",
             mtp_hidden=cfg.get("bebop_mtp_hidden", "normed"),
+            mtp_intermediate_size=int(cfg.get("bebop_mtp_intermediate_size") or 0),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             **(_hybrid_fields(cfg) if hybrid else {}),
             **(_moe_fields(cfg, next_) if cfg.get("num_experts") else {}),
@@ -479,7 +482,7 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: LMConfig, kind: str = "full_attention", moe: bool = False):
+    def __init__(self, c: LMConfig, kind: str = "full_attention", moe: bool = False, mlp_size: Optional[int] = None):
         super().__init__()
         self.kind = kind
         self.input_layernorm = _norm(c, c.hidden_size)
@@ -488,7 +491,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(c)
         self.post_attention_layernorm = _norm(c, c.hidden_size)
-        self.mlp = SparseMoE(c) if moe else MLP(c)
+        self.mlp = SparseMoE(c) if moe else MLP(c, mlp_size)
 
     def forward(self, x, cos, sin, cache, batch):
         if self.kind == "linear_attention":
@@ -508,7 +511,8 @@ class MTPModule(nn.Module):
         self.hnorm = _norm(c, c.hidden_size)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
         # full attention; MoE in an MoE model (as Qwen3.5-MoE / Qwen3-Next ship mtp.layers.0)
-        self.layers = nn.ModuleList([DecoderLayer(c, moe=c.num_experts > 0) for _ in range(c.mtp_layers_per_module)])
+        self.layers = nn.ModuleList([DecoderLayer(c, moe=c.num_experts > 0, mlp_size=c.mtp_intermediate_size or None)
+                                     for _ in range(c.mtp_layers_per_module)])
         self.final_norm = _norm(c, c.hidden_size)
 
 
