@@ -587,6 +587,39 @@ def test_adaptive_gamma_recovers_after_a_noisy_patch(qwen3_dir):
     assert len(late) >= 20 and sum(g == 3 for g in late) >= 0.8 * len(late), late[:40]
 
 
+def test_adaptive_gamma_compares_costs_at_the_same_context(qwen3_dir):
+    """A round's cost grows with the context it attends over. Probes from plain decoding run right
+    after an admission (short contexts), while the latest plain rounds ended the previous batch (long
+    ones): compared with those, a γ > 0 round looks cheaper than it is. Here every round costs
+    (1 + 0.9 γ) x (1 + context / 20), so plain decoding wins at every context (γ = 1 gives 1.9
+    tokens for 1.9x the cost) and the engine must keep to it, batch after batch, but for its probes;
+    against the previous batch's last plain rounds the probes measured γ = 1 at ~0.3x plain and ran it."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=200)
+
+    ctx = []  # the mean context at each round's start (the clock's first read)
+
+    def clock_read(real=_CostClock(eng, lambda g: (1.0 + 0.9 * g) * (1.0 + ctx[-1] / 20.0))):
+        if real.start:
+            ctx.append(sum(len(r.tokens) for r in eng.running) / max(len(eng.running), 1))
+        return real()
+
+    eng._clock = clock_read
+    eng._alpha = _FixedAlpha([0.9] * 3)
+    log, choose = [], eng._choose_gamma
+    eng._choose_gamma = lambda B, reqs=None: log.append(choose(B, reqs)) or log[-1]
+    spec_rounds = []
+    for i in range(8):
+        log.clear()
+        eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True, seed=i))
+        spec_rounds.append(sum(g > 0 for g in log))
+    # the first batch measures every γ; later ones run plain but for a probe (one catch-up round and
+    # ADAPTIVE_SAMPLES steady ones) now and then
+    assert all(n <= Engine.ADAPTIVE_PROBE_ROUNDS for n in spec_rounds[2:]), spec_rounds
+    assert eng._plain_ref(2, 10.0) < eng._plain_ref(2, 90.0)
+
+
 PROCESSORS = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.8, presence_penalty=0.5),
               dict(repetition_penalty=0.7, presence_penalty=-0.3), dict(logit_bias={7: 4.0, 9: -3.0})]
 

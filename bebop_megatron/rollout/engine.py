@@ -51,7 +51,8 @@ all of a request's uniforms for a round drawn at once from its own generator.
 γ per round (``SpecConfig.adaptive``): the engine measures the cost of a round for each γ
 (0..max) at the current batch size (power-of-two buckets; the median of recent *steady* rounds, i.e.
 not those that also catch the MTP depths up over positions decoded plainly or just prefilled; γ > 0
-costs as ratios to the plain cost of their time, so a machine whose load drifts does not tilt it) and
+costs as ratios to the plain cost of their time and context length, so a machine whose load drifts,
+or a round that attends over a longer context, does not tilt it) and
 picks the γ that finishes the batch's remaining tokens at the least cost, E[tokens | γ] = 1 + Σ_{j≤γ}
 Π_{i≤j} α_i with the running per-depth acceptance α_i. A γ whose depths lag (the rounds before ran
 plainly or at a smaller γ) first pays a catch-up over the lagging positions, priced per position from
@@ -309,6 +310,9 @@ class Engine:
         self._just_admitted = False  # the next round follows a prefill: the depths lag least then
         self._plain_wins: Optional[tuple[int, int]] = None  # (bucket, version) where plain last won
         self._steady_work: dict[tuple[int, int], deque] = {}
+        # per bucket, recent steady plain rounds as (mean context length, seconds): a γ > 0 round's
+        # cost is a ratio to plain rounds of about its context (a round's cost grows with it)
+        self._plain_ctx: dict[int, deque] = {}
         self._draft_positions = 0  # set by each draft pass (Σ over depths of its padded span)
         # per γ, recent verify rounds' (tokens emitted, tokens the accepted chain would have given):
         # requests that stop or hit max_new_tokens inside a round waste the drafts past their end
@@ -410,6 +414,7 @@ class Engine:
                 # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
                 # prefilled) also runs them over those (catch-up): not the steady cost of γ
                 steady = gamma <= self._current_depths
+                ctx = sum(len(r.tokens) for r in decoding) / len(decoding) if self.spec.adaptive else 0.0
                 t0 = self._clock()
                 if gamma:
                     self._speculative_round(decoding, gamma)
@@ -420,7 +425,7 @@ class Engine:
                     self.gamma_hist[gamma] += 1  # rounds run at each γ (fixed γ too)
                     if self.spec.adaptive:
                         work = self._draft_positions if gamma else 0
-                        self._record_cost(len(decoding), gamma, self._clock() - t0, steady, work)
+                        self._record_cost(len(decoding), gamma, self._clock() - t0, steady, work, ctx)
                 self._current_depths = gamma
             if admitted:  # prefilled requests join the next round with no MTP depth computed yet
                 self._current_depths = 0
@@ -646,7 +651,31 @@ class Engine:
         catch_up = 1 if cand > self._current_depths else 0
         self._probe_gamma, self._probe_left = cand, catch_up + self.ADAPTIVE_SAMPLES - 1
 
-    def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True, work: int = 0) -> None:
+    PLAIN_CTX_HISTORY = 64  # steady plain rounds kept per bucket with their context length
+    PLAIN_CTX_SPAN = 16  # ... whose cost is fitted as a line in the context once they span this many tokens
+
+    def _plain_ref(self, bk: int, ctx: float) -> Optional[float]:
+        """Plain cost at bucket ``bk`` for rounds of mean context ``ctx``. A round's cost grows with
+        the context it attends over (at batch 32 of the tiny model, +12% over a 48-token answer), and
+        probes run right after an admission (short contexts) while the latest plain rounds ended the
+        previous batch (long ones): against those a γ > 0 round looked 10% cheaper than it is. Where
+        the recent plain rounds span contexts (``PLAIN_CTX_SPAN`` tokens or more), their cost is a
+        line in the context (least squares, slope >= 0, anchored at the medians) read at ``ctx``;
+        else the median of the latest ADAPTIVE_SAMPLES of them."""
+        hist = self._plain_ctx.get(bk)
+        if not hist or len(hist) < self.ADAPTIVE_SAMPLES:
+            plain = self._cost_samples.get((bk, 0))
+            return statistics.median(plain) if plain else None
+        cs = [c for c, _ in hist]
+        if max(cs) - min(cs) < self.PLAIN_CTX_SPAN:
+            return statistics.median(x for _, x in list(hist)[-self.ADAPTIVE_SAMPLES:])
+        xs = [x for _, x in hist]
+        mc, mx = statistics.fmean(cs), statistics.fmean(xs)
+        slope = max(0.0, sum((c - mc) * (x - mx) for c, x in hist) / sum((c - mc) ** 2 for c in cs))
+        return statistics.median(x - slope * c for c, x in hist) + slope * ctx
+
+    def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True, work: int = 0,
+                     ctx: float = 0.0) -> None:
         """Keep the recent steady costs of a round; the first of each (bucket, γ) is a warm-up
         (first shapes) and is dropped. A γ > 0 cost is kept as a ratio to the plain cost measured
         around the same time, so that a machine that gets busier or quieter while the engine
@@ -655,10 +684,9 @@ class Engine:
         with the steady rounds' positions they price a catch-up position."""
         key = (self._bucket(B), gamma)
         if not steady:
-            plain = self._cost_samples.get((key[0], 0))
+            plain = self._plain_ref(key[0], ctx)
             if gamma and plain:
-                self._catchup_samples.setdefault(key[0], deque(maxlen=5)).append(
-                    (seconds / statistics.median(plain), work, gamma))
+                self._catchup_samples.setdefault(key[0], deque(maxlen=5)).append((seconds / plain, work, gamma))
             return
         if gamma:
             self._steady_work.setdefault(key, deque(maxlen=16)).append(work)
@@ -666,10 +694,12 @@ class Engine:
             self._cost_warm.add(key)
             return
         if gamma:
-            plain = self._cost_samples.get((key[0], 0))
+            plain = self._plain_ref(key[0], ctx)
             if not plain:
                 return
-            seconds /= statistics.median(plain)
+            seconds /= plain
+        else:
+            self._plain_ctx.setdefault(key[0], deque(maxlen=self.PLAIN_CTX_HISTORY)).append((ctx, seconds))
         self._cost_samples.setdefault(key, deque(maxlen=5)).append(seconds)
 
     # ------------------------------------------------------------------ internals
