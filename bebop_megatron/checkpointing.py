@@ -173,12 +173,26 @@ def load_model_weights(path: str | Path, model, fresh: Optional[Callable[[str], 
     path = Path(path)
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"{path} is not a megatron dist checkpoint (no metadata.json)")
-    saved = {k.split("/shard_")[0] for k in load_sharded_metadata(str(path))}  # objects carry a shard suffix
+    meta = {k.split("/shard_")[0]: v for k, v in load_sharded_metadata(str(path)).items()}  # objects: shard suffix
+    sharded = model_sharded_state_dict(model)
+    # a saved tensor of another global shape (an MTP layer of another width, model.mtp_ffn_hidden_size):
+    # where ``missing_ok`` allows it the whole layer starts fresh, as for one the checkpoint lacks
+    reshaped, fresh_layers = [], set()
+    for name, sh in sharded.items():
+        old, new = getattr(meta.get(getattr(sh, "key", name)), "global_shape", None), getattr(sh, "global_shape", None)
+        if old is not None and new is not None and tuple(old) != tuple(new):
+            if missing_ok is not None and missing_ok(name) and name.startswith("mtp.layers."):
+                fresh_layers.add(".".join(name.split(".")[:3]) + ".")
+            else:
+                reshaped.append(f"{name} {tuple(old)} there, {tuple(new)} here")
+    if reshaped:
+        raise CheckpointMismatch(f"{path} holds tensors of other shapes ({'; '.join(reshaped[:3])}): it was saved "
+                                 "from a different model config")
     keep, skipped, missing = {}, [], []
-    for name, sh in model_sharded_state_dict(model).items():
-        if fresh is not None and fresh(name):
+    for name, sh in sharded.items():
+        if (fresh is not None and fresh(name)) or any(name.startswith(p) for p in fresh_layers):
             skipped.append(name)
-        elif getattr(sh, "key", name) not in saved:
+        elif getattr(sh, "key", name) not in meta:
             (skipped if missing_ok is not None and missing_ok(name) else missing).append(name)
         else:
             keep[name] = sh

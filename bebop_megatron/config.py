@@ -137,7 +137,8 @@ class ModelConfig:
     # Width of the MTP layers' dense MLP (None: ffn_hidden_size, as every Qwen/DeepSeek MTP layer ships).
     # A narrower draft layer is cheaper to run and has less capacity: the setting where how the
     # objective spends that capacity matters most (issue #11's "smaller heads"). Exported to HF as
-    # ``bebop_mtp_intermediate_size``.
+    # ``bebop_mtp_intermediate_size``, which `bebop serve` reads; SGLang builds its MTP layer at
+    # intermediate_size and cannot load such heads.
     mtp_ffn_hidden_size: Optional[int] = None
     # ---- Qwen3.5-style hybrid (arch qwen3_5): Gated DeltaNet layers + gated full attention,
     # zero-centred RMSNorm ((1+w)·x̂), partial RoPE. layer_types wins over full_attention_interval.

@@ -587,37 +587,63 @@ def test_adaptive_gamma_recovers_after_a_noisy_patch(qwen3_dir):
     assert len(late) >= 20 and sum(g == 3 for g in late) >= 0.8 * len(late), late[:40]
 
 
-def test_adaptive_gamma_compares_costs_at_the_same_context(qwen3_dir):
+@pytest.mark.parametrize("draft_cost", [0.9, 0.2])
+def test_adaptive_gamma_compares_costs_at_the_same_context(qwen3_dir, draft_cost):
     """A round's cost grows with the context it attends over. Probes from plain decoding run right
     after an admission (short contexts), while the latest plain rounds ended the previous batch (long
-    ones): compared with those, a γ > 0 round looks cheaper than it is. Here every round costs
-    (1 + 0.9 γ) x (1 + context / 20), so plain decoding wins at every context (γ = 1 gives 1.9
-    tokens for 1.9x the cost) and the engine must keep to it, batch after batch, but for its probes;
-    against the previous batch's last plain rounds the probes measured γ = 1 at ~0.3x plain and ran it."""
+    ones): compared with those, a γ > 0 round looks cheaper than it is. Every round here costs
+    (1 + c γ) x (1 + context / 20). With c = 0.9 plain decoding wins at every context (γ = 1 gives
+    1.9 tokens for 1.9x the cost): the engine keeps to it, batch after batch, but for its probes
+    (against the previous batch's last plain rounds the probes measured γ = 1 at ~0.3x plain and ran
+    whole batches at γ > 0). With c = 0.2 speculation wins at every context and the engine runs γ = 3."""
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
     eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=200)
+    ctx = []  # the longest context at each round's start (the clock's first read)
 
-    ctx = []  # the mean context at each round's start (the clock's first read)
-
-    def clock_read(real=_CostClock(eng, lambda g: (1.0 + 0.9 * g) * (1.0 + ctx[-1] / 20.0))):
+    def clock_read(real=_CostClock(eng, lambda g: (1.0 + draft_cost * g) * (1.0 + ctx[-1] / 20.0))):
         if real.start:
-            ctx.append(sum(len(r.tokens) for r in eng.running) / max(len(eng.running), 1))
+            ctx.append(max((len(r.tokens) for r in eng.running), default=0))
         return real()
 
     eng._clock = clock_read
     eng._alpha = _FixedAlpha([0.9] * 3)
     log, choose = [], eng._choose_gamma
     eng._choose_gamma = lambda B, reqs=None: log.append(choose(B, reqs)) or log[-1]
-    spec_rounds = []
+    spec_rounds, full_depth = [], []
     for i in range(8):
         log.clear()
         eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True, seed=i))
         spec_rounds.append(sum(g > 0 for g in log))
-    # the first batch measures every γ; later ones run plain but for a probe (one catch-up round and
-    # ADAPTIVE_SAMPLES steady ones) now and then
-    assert all(n <= Engine.ADAPTIVE_PROBE_ROUNDS for n in spec_rounds[2:]), spec_rounds
-    assert eng._plain_ref(2, 10.0) < eng._plain_ref(2, 90.0)
+        full_depth.append(sum(g == 3 for g in log) / len(log))
+    if draft_cost > 0.5:
+        # the first batch measures every γ; later ones run plain but for a probe (one catch-up round
+        # and ADAPTIVE_SAMPLES steady ones) now and then
+        assert all(n <= Engine.ADAPTIVE_PROBE_ROUNDS for n in spec_rounds[2:]), spec_rounds
+    else:
+        assert all(f >= 0.7 for f in full_depth[2:]), full_depth
+    assert eng._plain_ref(2, 10) < eng._plain_ref(2, 90)
+
+
+def test_adaptive_plain_reference_is_robust_and_bounded(qwen3_dir):
+    """The plain-cost line: its level follows the latest rounds (the cost of their time), one slow
+    round does not tilt it, and far from the kept contexts it neither runs away nor goes negative."""
+    from collections import deque
+
+    d, _ = qwen3_dir
+    eng = Engine(CausalLMWithMTP.from_pretrained(d, dtype=torch.float64), spec=SpecConfig("mtp", 3, adaptive=True),
+                 max_running=2, max_len=64)
+    line = [(c, 1.0 + 0.01 * c) for c in range(20, 60)]
+    eng._plain_ctx[4] = deque(line, maxlen=64)
+    assert eng._plain_ref(4, 40) == pytest.approx(1.4, rel=1e-6)
+    eng._plain_ctx[4] = deque(line[:-1] + [(59, 50.0)], maxlen=64)  # one round 30x slower
+    assert eng._plain_ref(4, 30) == pytest.approx(1.3, rel=0.05)
+    eng._plain_ctx[4] = deque(line[:-5] + [(c, 2 * (1.0 + 0.01 * c)) for c in range(55, 60)], maxlen=64)
+    assert eng._plain_ref(4, 57) == pytest.approx(2 * 1.57, rel=0.05)  # the machine got twice as slow
+    eng._plain_ctx[4] = deque(line, maxlen=64)
+    assert eng._plain_ref(4, 10_000) == pytest.approx(eng._plain_ref(4, 59 + 39))  # one span past the kept
+    eng._plain_ctx[4] = deque([(c, 1.0 + 0.04 * (c - 40)) for c in range(20, 60)], maxlen=64)  # steep: the line
+    assert eng._plain_ref(4, 0) == pytest.approx(0.25 * 0.2)  # is negative at 0; the floor holds it above 0
 
 
 PROCESSORS = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.8, presence_penalty=0.5),

@@ -206,6 +206,22 @@ def _weights_only_worker(rank, world, ckpt_dir):
             "names": sorted(now),
             "init_differs": sorted(n for n in src if not torch.equal(init[n], src[n])),
         }
+    # heads of another width (model.mtp_ffn_hidden_size): with missing_ok they start fresh; a trunk of
+    # another width is named with both shapes
+    torch.manual_seed(1234)
+    narrow = build_model(tiny_config(mtp_num_layers=2, mtp_ffn_hidden_size=24), platform)
+    init = {n: p.detach().clone() for n, p in narrow.named_parameters()}
+    kept = load_model_weights(ck, narrow, missing_ok=is_head)
+    now = dict(narrow.named_parameters())
+    out["narrow"] = {"kept": sorted(k for k in kept if not k.endswith("._extra_state")),
+                     "heads_init": all(torch.equal(now[n], init[n]) for n in now if n.startswith("mtp.")),
+                     "trunk_from_file": all(torch.equal(now[n], src[n]) for n in now if not n.startswith("mtp.")),
+                     "heads": sorted(n for n in now if n.startswith("mtp."))}
+    try:
+        load_model_weights(ck, build_model(tiny_config(mtp_num_layers=2, ffn_hidden_size=96), platform),
+                           missing_ok=is_head)
+    except CheckpointMismatch as e:
+        out["wide_trunk"] = str(e)
     return out
 
 
@@ -225,3 +241,6 @@ def test_weights_only_load_keeps_missing_or_fresh_heads(tmp_path):
     assert not set(r["fresh"]["not_init"]) & set(heads01 + head2)
     # strict: the missing head is named
     assert "holds no mtp.layers.2." in r["strict"]["error"] and "different model config" in r["strict"]["error"]
+    # narrow heads: every head tensor keeps its init (the saved heads are wider), the trunk loads
+    assert r["narrow"]["heads_init"] and r["narrow"]["trunk_from_file"] and set(r["narrow"]["kept"]) == set(r["narrow"]["heads"])
+    assert "other shapes" in r["wide_trunk"] and "(2, 32, 64) there, (2, 32, 96) here" in r["wide_trunk"], r["wide_trunk"]

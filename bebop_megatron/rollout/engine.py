@@ -310,8 +310,8 @@ class Engine:
         self._just_admitted = False  # the next round follows a prefill: the depths lag least then
         self._plain_wins: Optional[tuple[int, int]] = None  # (bucket, version) where plain last won
         self._steady_work: dict[tuple[int, int], deque] = {}
-        # per bucket, recent steady plain rounds as (mean context length, seconds): a γ > 0 round's
-        # cost is a ratio to plain rounds of about its context (a round's cost grows with it)
+        # per bucket, recent steady plain rounds as (longest context, seconds): a γ > 0 round's cost
+        # is a ratio to plain rounds of its context (a round's cost grows with it)
         self._plain_ctx: dict[int, deque] = {}
         self._draft_positions = 0  # set by each draft pass (Σ over depths of its padded span)
         # per γ, recent verify rounds' (tokens emitted, tokens the accepted chain would have given):
@@ -414,7 +414,7 @@ class Engine:
                 # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
                 # prefilled) also runs them over those (catch-up): not the steady cost of γ
                 steady = gamma <= self._current_depths
-                ctx = sum(len(r.tokens) for r in decoding) / len(decoding) if self.spec.adaptive else 0.0
+                ctx = max(len(r.tokens) for r in decoding) if self.spec.adaptive else 0  # the span attention reads
                 t0 = self._clock()
                 if gamma:
                     self._speculative_round(decoding, gamma)
@@ -655,27 +655,35 @@ class Engine:
     PLAIN_CTX_SPAN = 16  # ... whose cost is fitted as a line in the context once they span this many tokens
 
     def _plain_ref(self, bk: int, ctx: float) -> Optional[float]:
-        """Plain cost at bucket ``bk`` for rounds of mean context ``ctx``. A round's cost grows with
-        the context it attends over (at batch 32 of the tiny model, +12% over a 48-token answer), and
-        probes run right after an admission (short contexts) while the latest plain rounds ended the
-        previous batch (long ones): against those a γ > 0 round looked 10% cheaper than it is. Where
-        the recent plain rounds span contexts (``PLAIN_CTX_SPAN`` tokens or more), their cost is a
-        line in the context (least squares, slope >= 0, anchored at the medians) read at ``ctx``;
-        else the median of the latest ADAPTIVE_SAMPLES of them."""
+        """Plain cost at bucket ``bk`` for rounds whose longest context (the span attention reads) is
+        ``ctx``. A round's cost grows with it (at batch 32 of the tiny model, +12% over a 48-token
+        answer), and probes run right after an admission (short contexts) while the latest plain
+        rounds ended the previous batch (long ones): against those a γ > 0 round looked 10% cheaper
+        than it is. Where the kept plain rounds span ``PLAIN_CTX_SPAN`` tokens or more, the cost is a
+        line in the context: its slope from the medians of the shorter and the longer half (one slow
+        round cannot tilt it; >= 0), its level from the latest ADAPTIVE_SAMPLES rounds (the cost of
+        their time, as the ratios promise), read at ``ctx`` at most one span outside the kept
+        contexts and never below a quarter of the cheapest kept round. Else the latest rounds' median."""
         hist = self._plain_ctx.get(bk)
         if not hist or len(hist) < self.ADAPTIVE_SAMPLES:
             plain = self._cost_samples.get((bk, 0))
             return statistics.median(plain) if plain else None
-        cs = [c for c, _ in hist]
-        if max(cs) - min(cs) < self.PLAIN_CTX_SPAN:
-            return statistics.median(x for _, x in list(hist)[-self.ADAPTIVE_SAMPLES:])
-        xs = [x for _, x in hist]
-        mc, mx = statistics.fmean(cs), statistics.fmean(xs)
-        slope = max(0.0, sum((c - mc) * (x - mx) for c, x in hist) / sum((c - mc) ** 2 for c in cs))
-        return statistics.median(x - slope * c for c, x in hist) + slope * ctx
+        recent = list(hist)[-self.ADAPTIVE_SAMPLES:]
+        by_ctx = sorted(hist)
+        lo_c, hi_c = by_ctx[0][0], by_ctx[-1][0]
+        span = hi_c - lo_c
+        if span < self.PLAIN_CTX_SPAN:
+            return statistics.median(x for _, x in recent)
+        lo, hi = by_ctx[: len(by_ctx) // 2], by_ctx[len(by_ctx) // 2:]
+        dc = statistics.median(c for c, _ in hi) - statistics.median(c for c, _ in lo)
+        dx = statistics.median(x for _, x in hi) - statistics.median(x for _, x in lo)
+        slope = max(0.0, dx / dc) if dc > 0 else 0.0
+        at = min(max(ctx, lo_c - span), hi_c + span)
+        ref = statistics.median(x - slope * c for c, x in recent) + slope * at
+        return max(ref, 0.25 * min(x for _, x in hist))
 
     def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True, work: int = 0,
-                     ctx: float = 0.0) -> None:
+                     ctx: int = 0) -> None:
         """Keep the recent steady costs of a round; the first of each (bucket, γ) is a warm-up
         (first shapes) and is dropped. A γ > 0 cost is kept as a ratio to the plain cost measured
         around the same time, so that a machine that gets busier or quieter while the engine

@@ -92,8 +92,14 @@ def _check_same_model(cfg: Config, ckpt: Path) -> None:
     """A resume continues the run in ``output_dir``: refuse a checkpoint of another model (say the
     3-head default of before against today's recurrent head), which would load a subset of its
     tensors, or fail deep in the optimizer, instead of saying so."""
-    saved = checkpoint_config(ckpt).get("model", {})
-    now = cfg.to_dict()["model"]
+    def norm(m: dict) -> dict:  # an MTP width equal to the trunk's (or never saved) is the default: None
+        m = dict(m)
+        if m.get("mtp_ffn_hidden_size") in (None, m.get("ffn_hidden_size")):
+            m["mtp_ffn_hidden_size"] = None
+        return m
+
+    saved = norm(checkpoint_config(ckpt).get("model", {}))
+    now = norm(cfg.to_dict()["model"])
     diff = sorted(k for k in now if k not in _RUNTIME_MODEL_FIELDS and k in saved and saved[k] != now[k])
     if diff:
         shown = ", ".join(f"{k}: {saved[k]!r} there, {now[k]!r} here" for k in diff[:4])
