@@ -633,17 +633,29 @@ def test_adaptive_plain_reference_is_robust_and_bounded(qwen3_dir):
     d, _ = qwen3_dir
     eng = Engine(CausalLMWithMTP.from_pretrained(d, dtype=torch.float64), spec=SpecConfig("mtp", 3, adaptive=True),
                  max_running=2, max_len=64)
+
+    def keep(rounds):  # the kept plain rounds (the fitted line is refitted from them)
+        eng._plain_ctx[4] = deque(rounds, maxlen=64)
+        eng._plain_line.clear()
+
     line = [(c, 1.0 + 0.01 * c) for c in range(20, 60)]
-    eng._plain_ctx[4] = deque(line, maxlen=64)
+    keep(line)
     assert eng._plain_ref(4, 40) == pytest.approx(1.4, rel=1e-6)
-    eng._plain_ctx[4] = deque(line[:-1] + [(59, 50.0)], maxlen=64)  # one round 30x slower
+    keep(line[:-1] + [(59, 50.0)])  # one round 30x slower
     assert eng._plain_ref(4, 30) == pytest.approx(1.3, rel=0.05)
-    eng._plain_ctx[4] = deque(line[:-5] + [(c, 2 * (1.0 + 0.01 * c)) for c in range(55, 60)], maxlen=64)
+    keep(line[:-5] + [(c, 2 * (1.0 + 0.01 * c)) for c in range(55, 60)])
     assert eng._plain_ref(4, 57) == pytest.approx(2 * 1.57, rel=0.05)  # the machine got twice as slow
-    eng._plain_ctx[4] = deque(line, maxlen=64)
+    keep(line)
     assert eng._plain_ref(4, 10_000) == pytest.approx(eng._plain_ref(4, 59 + 39))  # one span past the kept
-    eng._plain_ctx[4] = deque([(c, 1.0 + 0.04 * (c - 40)) for c in range(20, 60)], maxlen=64)  # steep: the line
+    keep([(c, 1.0 + 0.04 * (c - 40)) for c in range(20, 60)])  # steep: the line
     assert eng._plain_ref(4, 0) == pytest.approx(0.25 * 0.2)  # is negative at 0; the floor holds it above 0
+    # the line is cached until the engine keeps another plain round
+    before = eng._plain_ref(4, 40)
+    assert 4 in eng._plain_line
+    eng._cost_warm.add((4, 0))
+    eng._record_cost(4, 0, 100.0, ctx=40)
+    assert 4 not in eng._plain_line
+    assert eng._plain_ref(4, 40) != pytest.approx(before)
 
 
 PROCESSORS = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.8, presence_penalty=0.5),

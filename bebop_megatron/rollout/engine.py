@@ -313,6 +313,7 @@ class Engine:
         # per bucket, recent steady plain rounds as (longest context, seconds): a γ > 0 round's cost
         # is a ratio to plain rounds of its context (a round's cost grows with it)
         self._plain_ctx: dict[int, deque] = {}
+        self._plain_line: dict[int, tuple] = {}  # per bucket, the fitted line (level, slope, bounds, floor)
         self._draft_positions = 0  # set by each draft pass (Σ over depths of its padded span)
         # per γ, recent verify rounds' (tokens emitted, tokens the accepted chain would have given):
         # requests that stop or hit max_new_tokens inside a round waste the drafts past their end
@@ -668,19 +669,24 @@ class Engine:
         if not hist or len(hist) < self.ADAPTIVE_SAMPLES:
             plain = self._cost_samples.get((bk, 0))
             return statistics.median(plain) if plain else None
-        recent = list(hist)[-self.ADAPTIVE_SAMPLES:]
-        by_ctx = sorted(hist)
-        lo_c, hi_c = by_ctx[0][0], by_ctx[-1][0]
-        span = hi_c - lo_c
-        if span < self.PLAIN_CTX_SPAN:
-            return statistics.median(x for _, x in recent)
-        lo, hi = by_ctx[: len(by_ctx) // 2], by_ctx[len(by_ctx) // 2:]
-        dc = statistics.median(c for c, _ in hi) - statistics.median(c for c, _ in lo)
-        dx = statistics.median(x for _, x in hi) - statistics.median(x for _, x in lo)
-        slope = max(0.0, dx / dc) if dc > 0 else 0.0
-        at = min(max(ctx, lo_c - span), hi_c + span)
-        ref = statistics.median(x - slope * c for c, x in recent) + slope * at
-        return max(ref, 0.25 * min(x for _, x in hist))
+        line = self._plain_line.get(bk)
+        if line is None:  # refitted only after new plain rounds (a γ > 0 round then costs one lookup)
+            recent = list(hist)[-self.ADAPTIVE_SAMPLES:]
+            by_ctx = sorted(hist)
+            lo_c, hi_c = by_ctx[0][0], by_ctx[-1][0]
+            span = hi_c - lo_c
+            if span < self.PLAIN_CTX_SPAN:
+                line = (statistics.median(x for _, x in recent), 0.0, lo_c, hi_c, 0.0)
+            else:
+                lo, hi = by_ctx[: len(by_ctx) // 2], by_ctx[len(by_ctx) // 2:]
+                dc = statistics.median(c for c, _ in hi) - statistics.median(c for c, _ in lo)
+                dx = statistics.median(x for _, x in hi) - statistics.median(x for _, x in lo)
+                slope = max(0.0, dx / dc) if dc > 0 else 0.0
+                line = (statistics.median(x - slope * c for c, x in recent), slope, lo_c - span, hi_c + span,
+                        0.25 * min(x for _, x in hist))
+            self._plain_line[bk] = line
+        level, slope, lo, hi, floor = line
+        return max(level + slope * min(max(ctx, lo), hi), floor)
 
     def _record_cost(self, B: int, gamma: int, seconds: float, steady: bool = True, work: int = 0,
                      ctx: int = 0) -> None:
@@ -708,6 +714,7 @@ class Engine:
             seconds /= plain
         else:
             self._plain_ctx.setdefault(key[0], deque(maxlen=self.PLAIN_CTX_HISTORY)).append((ctx, seconds))
+            self._plain_line.pop(key[0], None)
         self._cost_samples.setdefault(key, deque(maxlen=5)).append(seconds)
 
     # ------------------------------------------------------------------ internals
