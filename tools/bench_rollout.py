@@ -11,12 +11,13 @@ For every batch size, each repetition runs every variant once, in turn (interlea
 patch of a shared CPU hits all variants alike), in an order shuffled per repetition (seeded). In a
 fixed order a variant always runs right after the same one. In one comparison, an engine that decoded
 every round plainly measured 2-5% slower than the plain engine when it always followed MTP+RS, and
-not otherwise; that is within the noise, but a fixed order would make it systematic. A variant's repetition generates the batch as many
-times back to back as plain decoding needs for ``--min-rep-seconds`` (one batch of the tiny model
-lasts ~0.1 s, too short to time on a shared machine: single batches scattered ±10%); the figures are
-medians over ``--reps`` (≥5) repetitions, in wall time and in CPU time (``time.process_time``). Engines are built and warmed
-up once per (variant, batch) and reused across repetitions, as a server would (the adaptive
-engine keeps what it measured). Torch runs with ``--threads`` threads (default 1).
+not otherwise; that is within the noise, but a fixed order would make it systematic. A variant's
+repetition generates the batch as many times back to back as plain decoding needs for
+``--min-rep-seconds`` (one batch of the tiny model lasts ~0.1 s, too short to time on a shared
+machine: single batches scattered ±10%); the figures are medians over ``--reps`` (≥5) repetitions,
+in wall time and in CPU time (``time.process_time``). Engines are built and warmed up once per
+(variant, batch) and reused across repetitions, as a server would (the adaptive engine keeps what it
+measured). Torch runs with ``--threads`` threads (default 1).
 
 Prints tokens/s and the ratio to ``plain`` at the same batch (of the medians, in wall and in CPU
 time, and "paired": the median over repetitions of each repetition's ratio to the plain run beside

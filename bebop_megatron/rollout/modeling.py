@@ -776,7 +776,7 @@ class CausalLMWithMTP(nn.Module):
         """MTP depth ``depth`` (0-based): previous-depth hidden + embedding of the token k ahead."""
         i = depth % len(self.mtp)
         m = self.mtp[i]
-        x = self._mtp_input(i, m, hidden, ids)
+        x = self.mtp_input(i, hidden, ids)
         cos, sin = self._rope_for(b, x.dtype)
         for layer, lc in zip(m.layers, cache.layers):
             x = layer(x, cos, sin, lc, b)
@@ -794,9 +794,7 @@ class CausalLMWithMTP(nn.Module):
         detached) and for inference-mode weights (no version counter). Equal up to float rounding. Weight
         updates must be in place (``copy_``, as ``load_hf_state_dict`` does): writes through ``.data`` do not
         bump the version the table is keyed on."""
-        return self._mtp_input(i, self.mtp[i], hidden, ids)
-
-    def _mtp_input(self, i: int, m: "MTPModule", hidden: Tensor, ids: Tensor) -> Tensor:
+        m = self.mtp[i]
         fold = self._mtp_fold(i, m)
         if fold is None:
             e = m.enorm(self.embed_tokens(ids))
