@@ -65,7 +65,8 @@ per round: a larger γ's catch-up, and plain decoding's loss against the running
 often where speculation breaks even, rarely where it doubles the speed); else a smaller γ > 0 (free).
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
-measured in a noisy patch cannot keep plain decoding for good) at intervals doubling up to
+measured in a noisy patch cannot keep plain decoding for good; a probe runs the γ > 0 cheapest to
+check, every other one the γ measured longest ago, so that no γ's costs stay stale) at intervals doubling up to
 ``ADAPTIVE_PROBE_MAX`` rounds, and never closer than what the last probe lost against plain (its
 catch-up and steady rounds' costs minus the tokens they yield) over ``ADAPTIVE_PROBE_BUDGET``. A due
 probe waits (at most one more interval) for the round after an admission: where a whole batch was
@@ -293,6 +294,8 @@ class Engine:
         # ratios to the plain cost of their time for γ > 0; the running per-depth acceptance; and per
         # bucket where plain decoding wins, when to probe speculation again (round, interval)
         self._cost_samples: dict[tuple[int, int], deque] = {}
+        self._measured_at: dict[tuple[int, int], int] = {}  # (bucket, γ) -> round of its latest steady sample
+        self._probes: dict[int, int] = {}  # per bucket, probes from plain decoding so far
         self._cost_warm: set[tuple[int, int]] = set()  # keys whose first (warm-up) sample was dropped
         self._alpha = [0.7] * g
         self._life_acc, self._life_reach = [0] * g, [0] * g
@@ -596,12 +599,20 @@ class Engine:
             best = min([0, *winners], key=lambda c: H * per_token[c] + switch.get(c, 0.0))
         if best == 0:
             due, interval = self._probe_at.get(bk, (self._rounds + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
-            # probe the γ > 0 of the least catch-up + steady cost; a due probe waits for the round
+            # probe a γ > 0 (below: which); a due probe waits for the round
             # after an admission (a batch's start, where the catch-up runs over the prompts only),
             # for at most one more interval
             if self._rounds >= due and (fresh or self._rounds >= due + interval):
+                # the γ > 0 of the least catch-up + steady cost, and every other probe the γ measured
+                # longest ago here. Probing the cheapest one every time left a γ whose samples came from
+                # a noisy patch with those samples for good: at batch 4 of the tiny model three slow
+                # γ = 3 rounds (4.5x plain against 2.6x) kept plain decoding in 2/3 of the rounds, where
+                # γ = 3 runs 1.2x plain. Probing the stalest every time costs more where nothing changed
                 sw = {c: self._switch_cost(bk, c, reqs) for c in range(1, g + 1)}
+                n = self._probes[bk] = self._probes.get(bk, 0) + 1
                 best = min(range(1, g + 1), key=lambda c: sw[c] + self.ADAPTIVE_SAMPLES * per_token[c])
+                if n % 2 == 0:
+                    best = min(range(1, g + 1), key=lambda c: (self._measured_at.get((bk, c), -1), c != best))
                 # what a probe loses against plain, in plain rounds: its catch-up round and its steady
                 # rounds each cost their ratio and yield E[tokens]; the next one waits until that is
                 # at most ADAPTIVE_PROBE_BUDGET of the plain rounds in between
@@ -716,6 +727,7 @@ class Engine:
             self._plain_ctx.setdefault(key[0], deque(maxlen=self.PLAIN_CTX_HISTORY)).append((ctx, seconds))
             self._plain_line.pop(key[0], None)
         self._cost_samples.setdefault(key, deque(maxlen=5)).append(seconds)
+        self._measured_at[key] = self._rounds
 
     # ------------------------------------------------------------------ internals
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
