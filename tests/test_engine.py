@@ -584,7 +584,31 @@ def test_adaptive_gamma_recovers_after_a_noisy_patch(qwen3_dir):
     # the first probe after the patch switches back for good
     assert any(g == 0 for r, g in log if r <= patch)
     late = [g for r, g in log if r > patch + 2 * 128 + Engine.ADAPTIVE_PROBE_ROUNDS]
-    assert len(late) >= 20 and sum(g == 3 for g in late) >= 0.8 * len(late), late[:40]
+    assert len(late) >= 20 and sum(g == 3 for g in late) >= 0.8 * len(late), "".join(str(g) for _, g in log)
+
+
+def test_adaptive_gamma_probes_re_check_every_gamma(qwen3_dir):
+    """Only γ = 3 is measured in a noisy patch (4x plain instead of 1.6x); γ = 1 and 2 never win.
+    Plain decoding wins on those costs, and its probes must re-measure γ = 3, not the γ that is
+    cheapest to probe (γ = 1, the least catch-up) every time: that kept γ = 3's slow samples for good
+    and plain decoding in 2/3 of the rounds of the tiny model at batch 4, where γ = 3 runs 1.2x plain.
+    Every other probe takes the γ measured longest ago: the second probe finds γ = 3 (the first, γ = 1,
+    is due 32 rounds after plain first wins, the second 64 after it, and each may wait as long again
+    for an admission, which never comes in this one long batch)."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=400)
+    patch = 40  # rounds during which γ = 3 costs 4x plain (it is measured then, and only then)
+    cost = {0: 1.0, 1: 1.8, 2: 2.8}  # per token at α = 0.9: 0.95x and 1.03x plain, so neither wins
+    eng._clock = _CostClock(eng, lambda g: cost[g] if g < 3 else (4.0 if eng._rounds <= patch else 1.6))
+    eng._alpha = _FixedAlpha([0.9] * 3)
+    log, choose = [], eng._choose_gamma
+    eng._choose_gamma = lambda B, reqs=None: log.append((eng._rounds + 1, choose(B, reqs))) or log[-1][1]
+    eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True))
+    assert any(g == 0 for r, g in log if r <= patch)
+    first_plain = next(r for r, g in log if r > 16 and g == 0)  # after measuring plain and every γ
+    late = [g for r, g in log if r > first_plain + 2 * 32 + 2 * 64 + 2 * Engine.ADAPTIVE_PROBE_ROUNDS]
+    assert len(late) >= 20 and sum(g == 3 for g in late) >= 0.8 * len(late), "".join(str(g) for _, g in log)
 
 
 @pytest.mark.parametrize("draft_cost", [0.9, 0.2])
