@@ -590,7 +590,7 @@ def test_adaptive_gamma_recovers_after_a_noisy_patch(qwen3_dir):
 def test_adaptive_gamma_probes_re_check_every_gamma(qwen3_dir):
     """Only γ = 3 is measured in a noisy patch (4x plain instead of 1.6x); γ = 1 and 2 never win.
     Plain decoding wins on those costs, and its probes must re-measure γ = 3, not the γ that is
-    cheapest to probe (γ = 1, the least catch-up) every time: that kept γ = 3's slow samples for good
+    cheapest to probe (γ = 1, the least catch-up plus steady cost) every time: that kept γ = 3's slow samples for good
     and plain decoding in 2/3 of the rounds of the tiny model at batch 4, where γ = 3 runs 1.2x plain.
     Every other probe takes the γ measured longest ago: the second probe finds γ = 3 (the first, γ = 1,
     is due 32 rounds after plain first wins, the second 64 after it, and each may wait as long again

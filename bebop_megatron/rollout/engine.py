@@ -612,7 +612,8 @@ class Engine:
                 n = self._probes[bk] = self._probes.get(bk, 0) + 1
                 best = min(range(1, g + 1), key=lambda c: sw[c] + self.ADAPTIVE_SAMPLES * per_token[c])
                 if n % 2 == 0:
-                    best = min(range(1, g + 1), key=lambda c: (self._measured_at.get((bk, c), -1), c != best))
+                    best = min(range(1, g + 1), key=lambda c: (self._measured_at.get((bk, c), -1),
+                                                              sw[c] + self.ADAPTIVE_SAMPLES * per_token[c]))
                 # what a probe loses against plain, in plain rounds: its catch-up round and its steady
                 # rounds each cost their ratio and yield E[tokens]; the next one waits until that is
                 # at most ADAPTIVE_PROBE_BUDGET of the plain rounds in between
@@ -659,6 +660,7 @@ class Engine:
         replace its old ones: otherwise costs measured in a noisy patch of a shared machine outvote
         the one new sample of each visit, and a choice made in that patch sticks."""
         self._cost_samples.pop((bk, cand), None)
+        self._measured_at.pop((bk, cand), None)  # a probe cut short (the batch changed bucket) leaves it unmeasured
         self._spec_version += 1
         catch_up = 1 if cand > self._current_depths else 0
         self._probe_gamma, self._probe_left = cand, catch_up + self.ADAPTIVE_SAMPLES - 1
@@ -726,8 +728,10 @@ class Engine:
         else:
             self._plain_ctx.setdefault(key[0], deque(maxlen=self.PLAIN_CTX_HISTORY)).append((ctx, seconds))
             self._plain_line.pop(key[0], None)
-        self._cost_samples.setdefault(key, deque(maxlen=5)).append(seconds)
-        self._measured_at[key] = self._rounds
+        samples = self._cost_samples.setdefault(key, deque(maxlen=5))
+        samples.append(seconds)
+        if len(samples) >= self.ADAPTIVE_SAMPLES:  # measured here: _cost no longer borrows another bucket's
+            self._measured_at[key] = self._rounds
 
     # ------------------------------------------------------------------ internals
     def _sampling(self, reqs: list[Request]) -> SamplingTensors:
