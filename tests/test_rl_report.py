@@ -60,7 +60,8 @@ def test_entrocraft_selects_by_reward_relative_to_group():
 
 def test_speculation_benchmark_is_interleaved_medians_on_one_thread():
     """The end-of-run rollout benchmark: >= 5 interleaved repetitions of plain and speculative
-    decoding on one torch thread (restored afterwards), medians and a median per-repetition ratio."""
+    decoding (in an order shuffled per repetition) on one torch thread (restored afterwards), medians
+    and a median per-repetition ratio."""
     from pathlib import Path
 
     from bebop_megatron.config import Config
@@ -84,6 +85,9 @@ def test_speculation_benchmark_is_interleaved_medians_on_one_thread():
     assert res["no_spec"]["tokens_per_verify"] == 1.0 and res["mtp_spec"]["tokens_per_verify"] >= 1.0
     assert 0.0 <= res["mtp_spec"]["accept_rate"] <= 1.0
     assert res["speedup_adaptive"] > 0 and 0.0 <= res["adaptive"]["mean_gamma"] <= cfg.model.mtp_num_layers
+    # interleaved in a shuffled order: every repetition runs each variant once, not always in one order
+    assert all(sorted(o) == sorted(["no_spec", "mtp_spec", "adaptive"]) for o in res["orders"])
+    assert len({tuple(o) for o in res["orders"]}) > 1
 
 
 def test_rollout_metrics_count_only_verify_tokens_and_report_mean_gamma():

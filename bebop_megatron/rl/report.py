@@ -4,6 +4,7 @@ response length (partial fit), PNG curves, and a speculation benchmark."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -166,8 +167,8 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
 
     Measured as the project's benchmarks are (a shared machine makes one timing meaningless): the
     engines are built and warmed up first (adaptive γ also measures its round costs on the whole
-    batch), then each of ``repeats`` (>= 5) repetitions runs plain, fixed, adaptive on the same
-    prompts, seeds and one torch thread; the figures are medians over repetitions, and the speed-ups
+    batch), then each of ``repeats`` (>= 5) repetitions runs plain, fixed, adaptive (in a seeded
+    order shuffled per repetition, ``orders``) on the same prompts, seeds and one torch thread; the figures are medians over repetitions, and the speed-ups
     are medians of the per-repetition ratios."""
     import statistics
 
@@ -203,8 +204,16 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
             eng.reset_stats()
             engines[name] = eng
         runs: dict[str, list[dict]] = {name: [] for name in specs}
-        for _ in range(max(repeats, 5)):
-            for name, eng in engines.items():  # interleaved: a slow patch of the machine hits both
+        orders = []
+        for rep in range(max(repeats, 5)):
+            # interleaved (a slow patch of the machine hits all), in an order shuffled per repetition
+            # (seeded), as tools/bench_rollout.py runs them: in a fixed order adaptive γ always ran right
+            # after fixed γ, and an all-plain adaptive engine measured 2-5% slower there (README, stop 35)
+            order = list(engines)
+            random.Random(rep).shuffle(order)
+            orders.append(order)
+            for name in order:
+                eng = engines[name]
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     reqs = eng.generate(ids, [SamplingParams(**vars(p)) for p in params])
@@ -230,5 +239,6 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
     res["speedup_adaptive"] = statistics.median(s["tokens_per_s"] / p["tokens_per_s"]
                                                 for p, s in zip(runs["no_spec"], runs["adaptive"]))
     res["repeats"] = len(runs["no_spec"])
+    res["orders"] = orders
     res["batch"] = len(ids)
     return res
