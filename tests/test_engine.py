@@ -611,6 +611,21 @@ def test_adaptive_gamma_probes_re_check_every_gamma(qwen3_dir):
     assert len(late) >= 20 and sum(g == 3 for g in late) >= 0.8 * len(late), "".join(str(g) for _, g in log)
 
 
+def test_adaptive_gamma_re_measure_stays_in_its_bucket(qwen3_dir):
+    """A re-measure (probe) runs its γ for a few rounds at the batch bucket it was started for. Begun in
+    the tail of a shrinking batch (one row left), it must not run on into the next, full batch: there
+    its rounds cost several times more (and desynchronise the rows), and they would be recorded as
+    samples of the full batch's bucket."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=64)
+    eng._remeasure(1, 2)  # a probe of γ = 2 at bucket 1: catch-up + ADAPTIVE_SAMPLES rounds
+    assert eng._probe_left == Engine.ADAPTIVE_SAMPLES
+    assert eng._choose_gamma(1) == 2  # same bucket: the probe goes on
+    assert eng._choose_gamma(32) == 0  # a full batch: the probe ends; plain is measured there first
+    assert eng._probe_left == 0
+
+
 @pytest.mark.parametrize("draft_cost", [0.9, 0.2])
 def test_adaptive_gamma_compares_costs_at_the_same_context(qwen3_dir, draft_cost):
     """A round's cost grows with the context it attends over. Probes from plain decoding run right

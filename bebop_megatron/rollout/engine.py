@@ -303,7 +303,7 @@ class Engine:
         self.last_gamma = g
         self._current_depths = 0  # MTP depths 1..n are current for every decoding request
         self._probe_at: dict[int, tuple[int, int]] = {}
-        self._probe_left, self._probe_gamma = 0, 0
+        self._probe_left, self._probe_gamma, self._probe_bucket = 0, 0, 0  # a re-measure in progress, at its bucket
         # per bucket, recent catch-up rounds (cost / plain cost, positions per row, γ), and per (bucket, γ)
         # the positions per row of steady rounds: together they price a catch-up position
         self._catchup_samples: dict[int, deque] = {}
@@ -568,11 +568,16 @@ class Engine:
             self.last_gamma = g
             return g
         self._rounds += 1
+        bk = self._bucket(B)
+        if self._probe_left and bk != self._probe_bucket:
+            # the batch changed bucket: the re-measure is for the old one (its samples would land here).
+            # A probe begun in a tail round of a shrinking batch ran on into the next, full batch: at
+            # batch 32 of the tiny model, γ = 1 / 2 rounds started at batch 1-16 opened six batches in a row
+            self._probe_left = 0
         if self._probe_left:
             self._probe_left -= 1
             self.last_gamma = self._probe_gamma
             return self._probe_gamma
-        bk = self._bucket(B)
         fresh, self._just_admitted = self._just_admitted, False
         if self._plain_wins == (bk, self._spec_version) and self._rounds < sum(self._probe_at.get(bk, (0, 0))):
             # nothing plain rounds change can make speculation win again (γ > 0 costs, acceptance and
@@ -663,7 +668,7 @@ class Engine:
         self._measured_at.pop((bk, cand), None)  # a probe cut short (the batch changed bucket) leaves it unmeasured
         self._spec_version += 1
         catch_up = 1 if cand > self._current_depths else 0
-        self._probe_gamma, self._probe_left = cand, catch_up + self.ADAPTIVE_SAMPLES - 1
+        self._probe_gamma, self._probe_left, self._probe_bucket = cand, catch_up + self.ADAPTIVE_SAMPLES - 1, bk
 
     PLAIN_CTX_HISTORY = 64  # steady plain rounds kept per bucket with their context length
     PLAIN_CTX_SPAN = 16  # ... whose cost is fitted as a line in the context once they span this many tokens
