@@ -297,6 +297,28 @@ def test_step_counts_rule():
     assert step_counts(3, 0, 1, 40, None) == (3, 0, 1)
 
 
+def test_last_rounds_draft_no_further_than_the_tokens_left(qwen3_dir):
+    """A round drafts at most the largest tokens left in the batch (drafts past it are never emitted),
+    and a row's tokens do not change with that: requests with 1-3 tokens left run rounds at γ < 3, and
+    their outputs are the prefixes of the same seeded requests run with a long budget (at γ = 3)."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    prompts = [[i % 60 + 1, (7 * i) % 60 + 2, 3] for i in range(6)]
+
+    def run(budgets):
+        eng = Engine(model, spec=SpecConfig("mtp", 3, "rejection"), max_running=6, max_len=64)
+        reqs = eng.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
+                                      for i, n in enumerate(budgets)])
+        return eng, [r.output_ids for r in reqs]
+
+    long_eng, long = run([12] * 6)
+    for budgets in ([2] * 6, [3] * 6, [2, 3, 4, 2, 3, 4]):
+        eng, out = run(budgets)
+        assert out == [o[:n] for o, n in zip(long, budgets)]
+        assert sum(eng.gamma_hist[1:3]) > 0 and eng.gamma_hist[0] == 0  # capped rounds, none plain
+    assert sum(long_eng.gamma_hist[1:3]) > 0  # the long run's last round too
+
+
 def test_acceptance_metric_counts_only_drafts_that_could_be_emitted(qwen3_dir):
     """Short answers ending in a stop token (or at the length limit) do not lower the acceptance
     rate: seeded runs that stop early are prefixes of the long run (randomness is per request and round), and their counters equal the

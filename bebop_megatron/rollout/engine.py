@@ -415,6 +415,14 @@ class Engine:
                 self._prefill(admitted)
             if decoding:
                 gamma = self._choose_gamma(len(decoding), decoding) if self.gamma else 0
+                if gamma:
+                    # no row emits more than its tokens left, so drafts past the largest budget are
+                    # never emitted: a batch's last rounds run a smaller γ (a γ = 3 round costs 2.7
+                    # plain rounds at batch 4 of the tiny model, a γ = 1 round 1.6). A row's tokens do
+                    # not change with it: with γ >= its tokens left they are the same drafts, tests
+                    # and residual draws (uniforms at fixed places, ``_speculative_round``)
+                    gamma = self.last_gamma = min(gamma, max(
+                        r.params.max_new_tokens - len(r.output_ids) for r in decoding))
                 # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
                 # prefilled) also runs them over those (catch-up): not the steady cost of γ
                 steady = gamma <= self._current_depths
@@ -856,7 +864,11 @@ class Engine:
         # one row: the verify's reads and writes are slices of the buffers (as in the draft pass)
         single = B == 1 and L_l[0] + g < self.cache_len  # the next token's place L+m (m <= γ) fits
         sl = None if single and not self._hybrid else self._slots(reqs)
-        u = round_uniforms([r.generator for r in reqs], 2 * g + 1, self.sampling_dtype, dev)
+        # the uniforms sit at places that do not depend on this round's γ: depth k's draft at k-1, its
+        # test at G+k-1, the residual / bonus draw at 2G (G = the engine's γ), so a round at a smaller γ
+        # (adaptive, or capped by the tokens left) draws a row's first tokens as a round at G does
+        G = self.gamma
+        u = round_uniforms([r.generator for r in reqs], 2 * G + 1, self.sampling_dtype, dev)
         # ---- 1. draft (each depth once, extending over its committed positions as it drafts)
         proc = self._processors(reqs)
         drafts, q = self._draft(slot_l, L_l, st, g, u[:, :g], proc)
@@ -874,7 +886,8 @@ class Engine:
         if proc is not None:  # position j follows the drafts d_1..d_j: they count as output there
             logits = torch.stack([proc.apply(logits[:, j], drafts[:, :j]) for j in range(g + 1)], dim=1)
         p = process_logits(logits.reshape(B * (g + 1), -1), st.expand(g + 1), self.sampling_dtype).view(B, g + 1, -1)
-        res = verify_chain(p, q, drafts, "greedy" if st.all_greedy else mode, uniforms=u[:, g:])
+        res = verify_chain(p, q, drafts, "greedy" if st.all_greedy else mode,
+                           uniforms=u[:, G:] if g == G else torch.cat([u[:, G: G + g], u[:, 2 * G:]], dim=1))
         num_acc, nxt = res.num_accepted, res.next_token
         m_l = res.host_num_accepted if res.host_num_accepted is not None else num_acc.tolist()
         self._keep_draft_entries(slot_l, L_l, m_l, g)
