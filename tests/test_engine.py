@@ -316,6 +316,7 @@ def test_last_rounds_draft_no_further_than_the_tokens_left(qwen3_dir):
         eng, out = run(budgets)
         assert out == [o[:n] for o, n in zip(long, budgets)]
         assert sum(eng.gamma_hist[1:3]) > 0 and eng.gamma_hist[0] == 0  # capped rounds, none plain
+        assert set(eng._chain_yield) <= {3}  # a capped round says nothing of γ < 3's lost drafts
     assert sum(long_eng.gamma_hist[1:3]) > 0  # the long run's last round too
 
 
@@ -637,15 +638,22 @@ def test_adaptive_gamma_re_measure_stays_in_its_bucket(qwen3_dir):
     """A re-measure (probe) runs its γ for a few rounds at the batch bucket it was started for. Begun in
     the tail of a shrinking batch (one row left), it must not run on into the next, full batch: there
     its rounds cost several times more (and desynchronise the rows), and they would be recorded as
-    samples of the full batch's bucket."""
+    samples of the full batch's bucket. The samples it was to replace come back."""
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
     eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=64)
+    from collections import deque
+
+    eng._cost_samples[(1, 2)] = deque([1.5, 1.6, 1.7], maxlen=5)
+    eng._measured_at[(1, 2)] = 5
     eng._remeasure(1, 2)  # a probe of γ = 2 at bucket 1: catch-up + ADAPTIVE_SAMPLES rounds
-    assert eng._probe_left == Engine.ADAPTIVE_SAMPLES
+    assert eng._probe_left == Engine.ADAPTIVE_SAMPLES and (1, 2) not in eng._cost_samples
     assert eng._choose_gamma(1) == 2  # same bucket: the probe goes on
+    eng._cost_samples[(1, 2)] = deque([1.9], maxlen=5)  # one fresh sample before the batch changes
     assert eng._choose_gamma(32) == 0  # a full batch: the probe ends; plain is measured there first
     assert eng._probe_left == 0
+    # too few new samples: the old ones come back (oldest first), with their round
+    assert list(eng._cost_samples[(1, 2)]) == [1.5, 1.6, 1.7, 1.9] and eng._measured_at[(1, 2)] == 5
 
 
 @pytest.mark.parametrize("draft_cost", [0.9, 0.2])

@@ -304,6 +304,8 @@ class Engine:
         self._current_depths = 0  # MTP depths 1..n are current for every decoding request
         self._probe_at: dict[int, tuple[int, int]] = {}
         self._probe_left, self._probe_gamma, self._probe_bucket = 0, 0, 0  # a re-measure in progress, at its bucket
+        self._probe_saved: tuple = (None, None)  # the samples (and their round) the re-measure replaces
+        self._capped = False  # this round's γ was cut to the tokens left (``step``)
         # per bucket, recent catch-up rounds (cost / plain cost, positions per row, γ), and per (bucket, γ)
         # the positions per row of steady rounds: together they price a catch-up position
         self._catchup_samples: dict[int, deque] = {}
@@ -415,6 +417,7 @@ class Engine:
                 self._prefill(admitted)
             if decoding:
                 gamma = self._choose_gamma(len(decoding), decoding) if self.gamma else 0
+                chosen = gamma
                 if gamma:
                     # no row emits more than its tokens left, so drafts past the largest budget are
                     # never emitted: a batch's last rounds run a smaller γ (a γ = 3 round costs 2.7
@@ -423,6 +426,9 @@ class Engine:
                     # and residual draws (uniforms at fixed places, ``_speculative_round``)
                     gamma = self.last_gamma = min(gamma, max(
                         r.params.max_new_tokens - len(r.output_ids) for r in decoding))
+                # a capped round is a batch's end, not a γ's: adaptive γ learns nothing from it (its rows
+                # emit only what is left, which would read as drafts lost at that γ)
+                self._capped = gamma < chosen
                 # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
                 # prefilled) also runs them over those (catch-up): not the steady cost of γ
                 steady = gamma <= self._current_depths
@@ -436,8 +442,10 @@ class Engine:
                 if self.gamma:
                     self.gamma_hist[gamma] += 1  # rounds run at each γ (fixed γ too)
                     if self.spec.adaptive:
-                        work = self._draft_positions if gamma else 0
-                        self._record_cost(len(decoding), gamma, self._clock() - t0, steady, work, ctx)
+                        seconds = self._clock() - t0  # read every round: the clock is read in pairs
+                        if not self._capped:
+                            work = self._draft_positions if gamma else 0
+                            self._record_cost(len(decoding), gamma, seconds, steady, work, ctx)
                 self._current_depths = gamma
             if admitted:  # prefilled requests join the next round with no MTP depth computed yet
                 self._current_depths = 0
@@ -580,8 +588,15 @@ class Engine:
         if self._probe_left and bk != self._probe_bucket:
             # the batch changed bucket: the re-measure is for the old one (its samples would land here).
             # A probe begun in a tail round of a shrinking batch ran on into the next, full batch: at
-            # batch 32 of the tiny model, γ = 1 / 2 rounds started at batch 1-16 opened six batches in a row
+            # batch 32 of the tiny model, γ = 1 / 2 rounds started at batch 1-16 opened six batches in a row.
+            # The samples it replaced come back where it did not take enough new ones
             self._probe_left = 0
+            key, (old, at) = (self._probe_bucket, self._probe_gamma), self._probe_saved
+            new = self._cost_samples.get(key)
+            if old and (not new or len(new) < self.ADAPTIVE_SAMPLES):
+                self._cost_samples[key] = deque([*old, *(new or [])], maxlen=old.maxlen)
+                if at is not None:
+                    self._measured_at[key] = at
         if self._probe_left:
             self._probe_left -= 1
             self.last_gamma = self._probe_gamma
@@ -672,8 +687,8 @@ class Engine:
         """Run γ = ``cand`` for fresh steady samples (after a catch-up round if its depths lag) that
         replace its old ones: otherwise costs measured in a noisy patch of a shared machine outvote
         the one new sample of each visit, and a choice made in that patch sticks."""
-        self._cost_samples.pop((bk, cand), None)
-        self._measured_at.pop((bk, cand), None)  # a probe cut short (the batch changed bucket) leaves it unmeasured
+        # kept aside for a re-measure cut short by a change of bucket (``_choose_gamma`` puts them back)
+        self._probe_saved = (self._cost_samples.pop((bk, cand), None), self._measured_at.pop((bk, cand), None))
         self._spec_version += 1
         catch_up = 1 if cand > self._current_depths else 0
         self._probe_gamma, self._probe_left, self._probe_bucket = cand, catch_up + self.ADAPTIVE_SAMPLES - 1, bk
@@ -942,7 +957,8 @@ class Engine:
             round_emit += kept
             if not r.finished:
                 self._publish(r, reason)
-        self._chain_yield.setdefault(g, deque(maxlen=32)).append((round_emit, sum(m_l) + B))
+        if not self._capped:
+            self._chain_yield.setdefault(g, deque(maxlen=32)).append((round_emit, sum(m_l) + B))
         # running per-depth acceptance for the γ choice
         for j in range(g):  # lifetime counts (not reset by reset_stats), with a weak prior at 0.7
             self._alpha[j] = (self._life_acc[j] + 1.4) / (self._life_reach[j] + 2.0)
