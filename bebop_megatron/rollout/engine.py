@@ -588,7 +588,7 @@ class Engine:
         if self._probe_left and bk != self._probe_bucket:
             # the batch changed bucket: the re-measure is for the old one (its samples would land here).
             # A probe begun in a tail round of a shrinking batch ran on into the next, full batch: at
-            # batch 32 of the tiny model, γ = 1 / 2 rounds started at batch 1-16 opened six batches in a row.
+            # batch 32 of the tiny model, γ = 1 / 2 rounds started at batch 1-16 opened five batches in a row.
             # The samples it replaced come back where it did not take enough new ones
             self._probe_left = 0
             key, (old, at) = (self._probe_bucket, self._probe_gamma), self._probe_saved
