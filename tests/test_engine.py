@@ -656,6 +656,26 @@ def test_adaptive_gamma_re_measure_stays_in_its_bucket(qwen3_dir):
     assert list(eng._cost_samples[(1, 2)]) == [1.5, 1.6, 1.7, 1.9] and eng._measured_at[(1, 2)] == 5
 
 
+def test_adaptive_gamma_probe_schedule_counts_the_bucket_s_own_rounds(qwen3_dir):
+    """Plain decoding wins at every bucket; each batch runs 30 rounds at batch 32, then its tail 2
+    rounds at batch 1 (answers that stop at different lengths). The probes' intervals (and their
+    budget, a share of the plain rounds between them) count each bucket's own rounds: counted in all
+    rounds, the tail bucket probed 3 times in its 80 rounds (and bucket 32 as often as now)."""
+    from collections import deque
+
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=64)
+    for bk in (1, 32):  # plain rounds per token: γ = 1 / 2 / 3 cost 2.0 / 2.6 / 3.0 for 1.7 / 2.2 / 2.5 tokens
+        for c, ratio in {0: 1.0, 1: 2.0, 2: 2.6, 3: 3.0}.items():
+            eng._cost_samples[(bk, c)] = deque([ratio] * Engine.ADAPTIVE_SAMPLES, maxlen=5)
+    for _ in range(40):
+        for B, rounds in ((32, 30), (1, 2)):
+            for _ in range(rounds):
+                eng._choose_gamma(B)
+    assert eng._probes.get(32, 0) >= 2 and eng._probes.get(1, 0) <= 1, eng._probes
+
+
 @pytest.mark.parametrize("draft_cost", [0.9, 0.2])
 def test_adaptive_gamma_compares_costs_at_the_same_context(qwen3_dir, draft_cost):
     """A round's cost grows with the context it attends over. Probes from plain decoding run right

@@ -66,8 +66,8 @@ often where speculation breaks even, rarely where it doubles the speed); else a 
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good; a probe runs the γ > 0 cheapest to
-check, every other one the γ measured longest ago, so that no γ's costs stay stale) at intervals doubling up to
-``ADAPTIVE_PROBE_MAX`` rounds, and never closer than what the last probe lost against plain (its
+check, every other one the γ measured longest ago, so that no γ's costs stay stale) at intervals, counted in
+rounds at that batch bucket, doubling up to ``ADAPTIVE_PROBE_MAX``, and never closer than what the last probe lost against plain (its
 catch-up and steady rounds' costs minus the tokens they yield) over ``ADAPTIVE_PROBE_BUDGET``. A due
 probe waits (at most one more interval) for the round after an admission: where a whole batch was
 just admitted (RL rollouts, a benchmark), the depths lag only over its prompts then (with continuous
@@ -300,6 +300,7 @@ class Engine:
         self._alpha = [0.7] * g
         self._life_acc, self._life_reach = [0] * g, [0] * g
         self._rounds = 0
+        self._bucket_rounds: dict[int, int] = {}  # rounds run at each batch bucket (the probe schedule's clock)
         self.last_gamma = g
         self._current_depths = 0  # MTP depths 1..n are current for every decoding request
         self._probe_at: dict[int, tuple[int, int]] = {}
@@ -585,6 +586,10 @@ class Engine:
             return g
         self._rounds += 1
         bk = self._bucket(B)
+        # the probe schedule runs on the bucket's own rounds: a shrinking batch (RL answers that stop at
+        # different lengths) spends a round or two per batch in each tail bucket, so an interval in all
+        # rounds let a tail bucket probe in a third of the rounds it ran (its budget counted the others)
+        now = self._bucket_rounds[bk] = self._bucket_rounds.get(bk, 0) + 1
         if self._probe_left and bk != self._probe_bucket:
             # the batch changed bucket: the re-measure is for the old one (its samples would land here).
             # A probe begun in a tail round of a shrinking batch ran on into the next, full batch: at
@@ -602,7 +607,7 @@ class Engine:
             self.last_gamma = self._probe_gamma
             return self._probe_gamma
         fresh, self._just_admitted = self._just_admitted, False
-        if self._plain_wins == (bk, self._spec_version) and self._rounds < sum(self._probe_at.get(bk, (0, 0))):
+        if self._plain_wins == (bk, self._spec_version) and now < sum(self._probe_at.get(bk, (0, 0))):
             # nothing plain rounds change can make speculation win again (γ > 0 costs, acceptance and
             # yields move only in γ > 0 rounds; the horizon only shrinks, the catch-up only grows); a
             # due probe waits for an admission, which changes the version, or for one more interval
@@ -626,11 +631,11 @@ class Engine:
             switch = {c: self._switch_cost(bk, c, reqs) for c in winners}
             best = min([0, *winners], key=lambda c: H * per_token[c] + switch.get(c, 0.0))
         if best == 0:
-            due, interval = self._probe_at.get(bk, (self._rounds + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
+            due, interval = self._probe_at.get(bk, (now + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
             # probe a γ > 0 (below: which); a due probe waits for the round
             # after an admission (a batch's start, where the catch-up runs over the prompts only),
             # for at most one more interval
-            if self._rounds >= due and (fresh or self._rounds >= due + interval):
+            if now >= due and (fresh or now >= due + interval):
                 # the γ > 0 of the least catch-up + steady cost, and every other probe the γ measured
                 # longest ago here. Probing the cheapest one every time left a γ whose samples came from
                 # a noisy patch with those samples for good: at batch 4 of the tiny model three slow
@@ -649,7 +654,7 @@ class Engine:
                 loss = max(0.0, ratio + sw[best] - e) + self.ADAPTIVE_SAMPLES * max(0.0, ratio - e)
                 self._remeasure(bk, best)
                 interval = min(max(2 * interval, math.ceil(loss / self.ADAPTIVE_PROBE_BUDGET)), self.ADAPTIVE_PROBE_MAX)
-                due = self._rounds + interval
+                due = now + interval
             self._probe_at[bk] = (due, interval)
             self._plain_wins = (bk, self._spec_version) if best == 0 else None
         else:
