@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import re
+from collections import deque
 
 import pytest
 import torch
@@ -642,8 +643,6 @@ def test_adaptive_gamma_re_measure_stays_in_its_bucket(qwen3_dir):
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
     eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=64)
-    from collections import deque
-
     eng._cost_samples[(1, 2)] = deque([1.5, 1.6, 1.7], maxlen=5)
     eng._measured_at[(1, 2)] = 5
     eng._remeasure(1, 2)  # a probe of γ = 2 at bucket 1: catch-up + ADAPTIVE_SAMPLES rounds
@@ -661,8 +660,6 @@ def test_adaptive_gamma_probe_schedule_counts_the_bucket_s_own_rounds(qwen3_dir)
     rounds at batch 1 (answers that stop at different lengths). The probes' intervals (and their
     budget, a share of the plain rounds between them) count each bucket's own rounds: counted in all
     rounds, the tail bucket probed 3 times in its 80 rounds (and bucket 32 as often as now)."""
-    from collections import deque
-
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
     eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=2, max_len=64)
@@ -717,8 +714,6 @@ def test_adaptive_gamma_compares_costs_at_the_same_context(qwen3_dir, draft_cost
 def test_adaptive_plain_reference_is_robust_and_bounded(qwen3_dir):
     """The plain-cost line: its level follows the latest rounds (the cost of their time), one slow
     round does not tilt it, and far from the kept contexts it neither runs away nor goes negative."""
-    from collections import deque
-
     d, _ = qwen3_dir
     eng = Engine(CausalLMWithMTP.from_pretrained(d, dtype=torch.float64), spec=SpecConfig("mtp", 3, adaptive=True),
                  max_running=2, max_len=64)
@@ -922,8 +917,6 @@ def test_adaptive_gamma_prices_lost_drafts_and_borrows_costs_across_buckets(qwen
     (the prediction is scaled by the realized share of the accepted chain); and a shrinking batch
     visits each tail bucket for a round or two, so a γ measured at one bucket prices the others
     (only plain is measured per bucket) instead of a measurement that never completes."""
-    from collections import deque
-
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
     eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=32, max_len=64)
@@ -1001,8 +994,6 @@ def test_adaptive_gamma_prices_the_catch_up_against_the_horizon(qwen3_dir):
     lagging position. That catch-up, priced per position from a measured catch-up round, is paid
     once: worth it for a long remaining horizon, not for a few tokens (the old choice compared
     steady costs only and switched either way, which made a batch's last rounds cost extra)."""
-    from collections import deque
-
     d, _ = qwen3_dir
     model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
 

@@ -168,8 +168,8 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
     Measured as the project's benchmarks are (a shared machine makes one timing meaningless): the
     engines are built and warmed up first (adaptive γ also measures its round costs on the whole
     batch), then each of ``repeats`` (>= 5) repetitions runs plain, fixed, adaptive (in a seeded
-    order shuffled per repetition, ``orders``) on the same prompts, seeds and one torch thread; the figures are medians over repetitions, and the speed-ups
-    are medians of the per-repetition ratios."""
+    order shuffled per repetition, ``orders``) on the same prompts, seeds and one torch thread; the
+    figures are medians over repetitions, and the speed-ups are medians of the per-repetition ratios."""
     import statistics
 
     import torch

@@ -66,12 +66,13 @@ often where speculation breaks even, rarely where it doubles the speed); else a 
 While plain (γ = 0) wins, re-checking speculation means paying the catch-up, so it is a probe (one
 catch-up round, then ``ADAPTIVE_SAMPLES`` steady rounds whose costs replace the old ones, so that costs
 measured in a noisy patch cannot keep plain decoding for good; a probe runs the γ > 0 cheapest to
-check, every other one the γ measured longest ago, so that no γ's costs stay stale) at intervals, counted in
-rounds at that batch bucket, doubling up to ``ADAPTIVE_PROBE_MAX``, and never closer than what the last probe lost against plain (its
-catch-up and steady rounds' costs minus the tokens they yield) over ``ADAPTIVE_PROBE_BUDGET``. A due
-probe waits (at most one more interval) for the round after an admission: where a whole batch was
-just admitted (RL rollouts, a benchmark), the depths lag only over its prompts then (with continuous
-batching the older rows still lag; the price uses the real rows). While plain wins with the same
+check, every other one the γ measured longest ago, so that no γ's costs stay stale) at intervals,
+counted in rounds at that batch bucket, doubling up to ``ADAPTIVE_PROBE_MAX``, and never closer than
+what the last probe lost against plain (its catch-up and steady rounds' costs minus the tokens they
+yield) over ``ADAPTIVE_PROBE_BUDGET``. A due probe waits (at most one more interval) for the round
+after an admission: where a whole batch was just admitted (RL rollouts, a benchmark), the depths lag
+only over its prompts then (with continuous batching the older rows still lag; the price uses the
+real rows). While plain wins with the same
 rows, nothing a plain round changes can make γ > 0 win (its costs, acceptance and yields move only in
 γ > 0 rounds; the horizon shrinks and the catch-up grows), so the choice is reused until a γ > 0 round,
 an admission, a release, a re-measure or a due probe: it costs a plain round next to nothing.
@@ -306,7 +307,6 @@ class Engine:
         self._probe_at: dict[int, tuple[int, int]] = {}
         self._probe_left, self._probe_gamma, self._probe_bucket = 0, 0, 0  # a re-measure in progress, at its bucket
         self._probe_saved: tuple = (None, None)  # the samples (and their round) the re-measure replaces
-        self._capped = False  # this round's γ was cut to the tokens left (``step``)
         # per bucket, recent catch-up rounds (cost / plain cost, positions per row, γ), and per (bucket, γ)
         # the positions per row of steady rounds: together they price a catch-up position
         self._catchup_samples: dict[int, deque] = {}
@@ -418,25 +418,25 @@ class Engine:
                 self._prefill(admitted)
             if decoding:
                 gamma = self._choose_gamma(len(decoding), decoding) if self.gamma else 0
-                chosen = gamma
+                capped = False
                 if gamma:
                     # no row emits more than its tokens left, so drafts past the largest budget are
                     # never emitted: a batch's last rounds run a smaller γ (a γ = 3 round costs 2.7
                     # plain rounds at batch 4 of the tiny model, a γ = 1 round 1.6). A row's tokens do
                     # not change with it: with γ >= its tokens left they are the same drafts, tests
                     # and residual draws (uniforms at fixed places, ``_speculative_round``)
-                    gamma = self.last_gamma = min(gamma, max(
-                        r.params.max_new_tokens - len(r.output_ids) for r in decoding))
+                    cap = max(r.params.max_new_tokens - len(r.output_ids) for r in decoding)
+                    capped = cap < gamma
+                    gamma = self.last_gamma = min(gamma, cap)
                 # a capped round is a batch's end, not a γ's: adaptive γ learns nothing from it (its rows
                 # emit only what is left, which would read as drafts lost at that γ)
-                self._capped = gamma < chosen
                 # a round whose depths missed positions (decoded plainly or at a smaller γ, or just
                 # prefilled) also runs them over those (catch-up): not the steady cost of γ
                 steady = gamma <= self._current_depths
                 ctx = max(len(r.tokens) for r in decoding) if self.spec.adaptive else 0  # the span attention reads
                 t0 = self._clock()
                 if gamma:
-                    self._speculative_round(decoding, gamma)
+                    self._speculative_round(decoding, gamma, learn=not capped)
                     self._spec_version += 1
                 else:
                     self._plain_round(decoding)
@@ -444,7 +444,7 @@ class Engine:
                     self.gamma_hist[gamma] += 1  # rounds run at each γ (fixed γ too)
                     if self.spec.adaptive:
                         seconds = self._clock() - t0  # read every round: the clock is read in pairs
-                        if not self._capped:
+                        if not capped:
                             work = self._draft_positions if gamma else 0
                             self._record_cost(len(decoding), gamma, seconds, steady, work, ctx)
                 self._current_depths = gamma
@@ -640,13 +640,15 @@ class Engine:
                 # longest ago here. Probing the cheapest one every time left a γ whose samples came from
                 # a noisy patch with those samples for good: at batch 4 of the tiny model three slow
                 # γ = 3 rounds (4.5x plain against 2.6x) kept plain decoding in 2/3 of the rounds, where
-                # γ = 3 runs 1.2x plain. Probing the stalest every time costs more where nothing changed
+                # γ = 3 runs 1.2x plain. Probing the stalest every time recovered more slowly after a
+                # noisy patch (a γ = 3 probe costs more, so the next one waits longer)
                 sw = {c: self._switch_cost(bk, c, reqs) for c in range(1, g + 1)}
+                probe_cost = {c: sw[c] + self.ADAPTIVE_SAMPLES * per_token[c] for c in sw}
                 n = self._probes[bk] = self._probes.get(bk, 0) + 1
-                best = min(range(1, g + 1), key=lambda c: sw[c] + self.ADAPTIVE_SAMPLES * per_token[c])
-                if n % 2 == 0:
-                    best = min(range(1, g + 1), key=lambda c: (self._measured_at.get((bk, c), -1),
-                                                              sw[c] + self.ADAPTIVE_SAMPLES * per_token[c]))
+                if n % 2:
+                    best = min(probe_cost, key=probe_cost.get)
+                else:
+                    best = min(probe_cost, key=lambda c: (self._measured_at.get((bk, c), -1), probe_cost[c]))
                 # what a probe loses against plain, in plain rounds: its catch-up round and its steady
                 # rounds each cost their ratio and yield E[tokens]; the next one waits until that is
                 # at most ADAPTIVE_PROBE_BUDGET of the plain rounds in between
@@ -875,7 +877,7 @@ class Engine:
             self._check_done(r)
 
     @torch.no_grad()
-    def _speculative_round(self, reqs: list[Request], g: int) -> None:
+    def _speculative_round(self, reqs: list[Request], g: int, learn: bool = True) -> None:
         B = len(reqs)
         dev = self.device
         st = self._sampling(reqs)
@@ -962,7 +964,7 @@ class Engine:
             round_emit += kept
             if not r.finished:
                 self._publish(r, reason)
-        if not self._capped:
+        if learn:  # not a round capped by the tokens left (``step``)
             self._chain_yield.setdefault(g, deque(maxlen=32)).append((round_emit, sum(m_l) + B))
         # running per-depth acceptance for the γ choice
         for j in range(g):  # lifetime counts (not reset by reset_stats), with a weak prior at 0.7
