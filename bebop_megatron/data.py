@@ -224,8 +224,8 @@ def microbatches_for_step(
         yield data.batch(range(lo, lo + micro_batch_size))
 
 
-def build_dataset(cfg, vocab_size: int) -> TokenWindows:
-    """From ``data.path`` (JSONL) or the shipped synthetic generator."""
+def load_documents(cfg, vocab_size: int) -> list[list[int]]:
+    """Token documents (EOS appended) from ``data.path`` (JSONL) or the shipped synthetic generator."""
     d = cfg.data
     tok = load_tokenizer(d.tokenizer)
     if d.path:
@@ -236,4 +236,33 @@ def build_dataset(cfg, vocab_size: int) -> TokenWindows:
             docs.append(list(tok.encode(text)) + [getattr(tok, "eos_id", 1)])
     if max(max(x) for x in docs) >= vocab_size:
         raise DataError(f"tokenizer produces ids >= model.vocab_size {vocab_size}")
-    return TokenWindows(docs, d.seq_length, cfg.train.seed)
+    return docs
+
+
+def mix_documents(docs: list[list[int]], extra: list[list[int]], share: float, eos: int) -> list[list[int]]:
+    """``docs`` cut to about (1 - share) of their tokens, with ``extra`` (EOS appended) spread evenly
+    among them: the same number of tokens, so the same windows per epoch, with ``share`` of them from
+    ``extra`` (``mtp.rollout_share``)."""
+    total = sum(len(x) for x in docs)
+    keep, n = [], 0
+    for x in docs:
+        if n >= (1.0 - share) * total and keep:
+            break
+        keep.append(x)
+        n += len(x)
+    extra = [list(x) + [eos] for x in extra]
+    out, i, j, a, b = [], 0, 0, 0, 0  # a, b: tokens taken from keep / extra so far
+    while i < len(keep) or j < len(extra):
+        # take from whichever side is further behind its share of the tokens taken so far
+        if j >= len(extra) or (i < len(keep) and a * share <= b * (1.0 - share)):
+            out.append(keep[i]); a += len(keep[i]); i += 1
+        else:
+            out.append(extra[j]); b += len(extra[j]); j += 1
+    return out
+
+
+def build_dataset(cfg, vocab_size: int, docs: Optional[list[list[int]]] = None) -> TokenWindows:
+    """Windows over ``docs`` (default: ``load_documents``)."""
+    if docs is None:
+        docs = load_documents(cfg, vocab_size)
+    return TokenWindows(docs, cfg.data.seq_length, cfg.train.seed)

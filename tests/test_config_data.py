@@ -44,6 +44,8 @@ def test_overrides_and_yaml_types(tmp_path):
     ("parallel.global_batch_size=7", "global_batch_size"),
     ("rl.lr=fast", "rl.lr must be a number"),
     ("rl.steps=ten", "rl.steps must be a number"),
+    ("mtp.rollout_share=1.0", r"mtp.rollout_share must be in \[0, 1\)"),
+    ("mtp.rollout_share=-0.1", r"mtp.rollout_share must be in \[0, 1\)"),
 ])
 def test_bad_configs_name_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -181,3 +183,32 @@ def test_windows_deterministic_and_dp_sharded():
     again = TokenWindows(docs, seq_length=16, seed=3)
     assert torch.equal(again.batch(range(8, 10)).tokens, a[0].tokens)
     assert tok.decode(tok.encode("count a in abca:2;")) == "count a in abca:2;"
+
+
+def test_rollout_share_needs_the_whole_trunk_on_one_rank():
+    """train-mtp refuses it before any work; other commands (bebop rl) do not read it."""
+    from bebop_megatron.training.rollout_data import check_layout
+
+    cfg = Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["parallel.pipeline_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="rollout_share samples with the whole trunk on one rank"):
+        check_layout(cfg)
+    cfg.mtp.rollout_share = 0.0
+    check_layout(cfg)
+
+
+def test_mix_documents_keeps_the_tokens_and_spreads_the_extra_share():
+    """``mtp.rollout_share``'s mix: the data cut to (1 - share) of its tokens, the extra documents
+    (EOS appended) spread evenly, the total about the data's own (the same windows per epoch)."""
+    from bebop_megatron.data import mix_documents
+
+    docs = [[5] * 10 for _ in range(100)]  # 1000 tokens
+    extra = [[7] * 4 for _ in range(100)]  # 5 tokens each with the EOS
+    out = mix_documents(docs, extra[:60], 0.3, eos=1)
+    n_docs = sum(len(d) for d in out if d[0] == 5)
+    n_extra = sum(len(d) for d in out if d[0] == 7)
+    assert n_docs == 700 and n_extra == 300 and all(d[-1] == 1 for d in out if d[0] == 7)
+    assert extra[0] == [7] * 4  # the caller's lists are not changed
+    half = out[: len(out) // 2]  # evenly spread: each half holds about its share
+    share_first_half = sum(len(d) for d in half if d[0] == 7) / sum(len(d) for d in half)
+    assert abs(share_first_half - 0.3) < 0.05, share_first_half
+    assert mix_documents(docs, [], 0.3, eos=1) == docs[:70]

@@ -155,7 +155,8 @@ def test_rl_improves_reward_on_synthetic_task(tmp_path):
     sft = subprocess.run([sys.executable, "-m", "bebop_megatron.cli", "train-mtp", "--config", str(tiny),
                           "--set", f"train.output_dir={tmp_path / 'sft'}", "--set", "train.progress=false",
                           "--set", "data.synthetic_task=counting", "--set", "train.trunk_warmup_steps=300",
-                          "--set", "train.steps=10", "--set", "mtp.warmup_steps=5"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                          "--set", "train.steps=10", "--set", "mtp.warmup_steps=5",
+                          "--set", "mtp.rollout_share=0"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert sft.returncode == 0, sft.stderr[-3000:]
     r = bebop_rl(tiny, f"rl.init={tmp_path / 'sft'}", f"rl.output_dir={tmp_path / 'rl'}", "train.progress=false",
                  "rl.task=counting", "rl.steps=24", "rl.lr=0.0005", "rl.save_interval=24", "rl.eval_prompts=16",

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = [
     "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.mtp_num_layers=2",
     "data.seq_length=32", "data.synthetic_samples=600", "parallel.micro_batch_size=8",
-    "parallel.global_batch_size=8", "train.progress=false", "train.log_interval=10",
+    "parallel.global_batch_size=8", "train.progress=false", "train.log_interval=10", "mtp.rollout_share=0",
 ]
 
 
@@ -73,10 +73,26 @@ def test_train_mtp_raises_acceptance_and_only_touches_mtp(tmp_path):
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
     # the two-stage recipe: KL for 4 steps, then e2e-TV; the run is cut at step 3 and resumed, so the
     # resumed invocation crosses the objective switch
+    # half the MTP tokens are the trunk's own answers to the RL prompts, sampled once before the phase:
+    # the resumed invocation reads them back from the phase's rollout_data.json
     common = ["train.trunk_warmup_steps=0", "train.steps=6", "train.save_interval=3", "train.log_interval=1",
-              "mtp.loss=e2e_tv", "mtp.warmup_loss=kl", "mtp.warmup_steps=4"]
+              "mtp.loss=e2e_tv", "mtp.warmup_loss=kl", "mtp.warmup_steps=4", "mtp.rollout_share=0.5",
+              "rl.task=sorting", "rl.max_new_tokens=12"]
     full = tmp_path / "full"
     proc = train(full, *common)
+    saved = json.loads((full / "mtp" / "rollout_data.json").read_text())
+    from bebop_megatron.data import CharTokenizer
+
+    texts = [CharTokenizer().decode(d) for d in saved["docs"]]
+    assert texts and all(t.startswith("sort ") and ":" in t for t in texts), texts[:3]
+    assert saved["meta"]["task"] == "sorting" and saved["meta"]["max_new_tokens"] == 12
+    from bebop_megatron.config import Config
+    from bebop_megatron.data import load_documents
+
+    cfg = Config.load(ROOT / "configs" / "tiny_cpu.yaml", FAST + common)
+    budget = round(0.5 * sum(len(d) for d in load_documents(cfg, cfg.model.vocab_size)))
+    n = [len(d) + 1 for d in saved["docs"]]  # + the EOS each gets in the mix
+    assert saved["meta"]["tokens"] == budget and sum(n) >= budget > sum(n[:-1])
     assert "step 5: objective e2e_tv" in proc.stdout + proc.stderr
     sf = json.loads((full / "summary.json").read_text())["mtp"]
     assert sf["first"]["mtp/objective_is_main"] == 0.0 and sf["last"]["mtp/objective_is_main"] == 1.0
@@ -85,7 +101,11 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     assert "rerun the same command to resume" in first.stdout
     s1 = json.loads((part / "summary.json").read_text())
     assert s1["exited_early"] and s1["mtp"]["step"] == 3
+    cache = part / "mtp" / "rollout_data.json"
+    assert json.loads(cache.read_text())["docs"] == saved["docs"]  # seeded: the same answers
+    stamp = cache.stat().st_mtime_ns
     train(part, *common)
+    assert cache.stat().st_mtime_ns == stamp  # the resume read them back, it did not sample again
     s2 = json.loads((part / "summary.json").read_text())
     assert s2["mtp"]["start_step"] == 3 and s2["mtp"]["steps_run"] == 3 and s2["mtp"]["step"] == 6
     # resuming the optimizer under another TP/PP is refused with a clear message

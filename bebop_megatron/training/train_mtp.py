@@ -9,7 +9,8 @@ Phases:
      gradients, from ``mtp.warmup_loss`` for the first ``mtp.warmup_steps`` steps (if set) and
      then from ``mtp.loss`` (e2e_tv, the Bebop recipe). The objective is a function of the step,
      so a resume on either side of the switch continues exactly (one optimizer and LR schedule
-     span both stages).
+     span both stages). With ``mtp.rollout_share`` > 0 a share of its tokens are the trunk's own
+     answers to the RL prompts, sampled once before the phase (training/rollout_data.py).
 
 Checkpoints are megatron ``torch_dist`` dist checkpoints (model, optimizer, LR schedule, step,
 consumed samples); a rerun with the same ``output_dir`` resumes from the latest one.
@@ -32,11 +33,12 @@ import torch.distributed as dist
 from bebop_megatron.checkpointing import (CheckpointMismatch, checkpoint_config, latest_checkpoint, load_checkpoint,
                                           load_model_weights, save_checkpoint)
 from bebop_megatron.config import Config
-from bebop_megatron.data import build_dataset, microbatches_for_step
+from bebop_megatron.data import build_dataset, load_documents, load_tokenizer, microbatches_for_step, mix_documents
 from bebop_megatron.model import build_model
 from bebop_megatron.parallel import initialize_distributed, is_logging_rank
 from bebop_megatron.platform import Platform
 from bebop_megatron.training.optim import build_optimizer
+from bebop_megatron.training.rollout_data import check_layout, rollout_documents
 from bebop_megatron.training.step import train_iteration
 
 log = logging.getLogger("bebop.train_mtp")
@@ -137,7 +139,16 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
             log.info("[%s] initialised weights from %s%s", phase, init_from,
                      f" ({len(kept)} MTP tensors start fresh)" if kept else "")
 
-    data = build_dataset(cfg, cfg.model.vocab_size)
+    docs = load_documents(cfg, cfg.model.vocab_size)
+    if phase == "mtp" and cfg.mtp.rollout_share > 0:
+        # a share of the tokens: the (frozen) trunk's own answers to the RL prompts (training/rollout_data.py)
+        share = cfg.mtp.rollout_share
+        budget = round(share * sum(len(d) for d in docs))
+        rollouts = rollout_documents(cfg, model, budget, root / "rollout_data.json", init_from)
+        tok = load_tokenizer(cfg.data.tokenizer)
+        eos = getattr(tok, "eos_id", None)
+        docs = mix_documents(docs, rollouts, share, eos if eos is not None else tok.eos_token_id)
+    data = build_dataset(cfg, cfg.model.vocab_size, docs)
     p = cfg.parallel
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -218,6 +229,7 @@ def train_mtp(cfg: Config) -> dict:
                                       seed=cfg.train.seed, force_cpu=p.force_cpu,
                                       expert_model_parallel_size=p.expert_model_parallel_size)
     cfg.validate(world_size=dist.get_world_size())
+    check_layout(cfg)
     out = Path(cfg.train.output_dir)
     if is_logging_rank():
         out.mkdir(parents=True, exist_ok=True)
