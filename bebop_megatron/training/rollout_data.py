@@ -121,6 +121,9 @@ def rollout_documents(cfg: Config, model, token_budget: int, cache: Path,
         except (OSError, ValueError, KeyError):
             docs = None  # unreadable: sample again
     if docs is None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("sampling the trunk's answers to the RL prompts for the MTP phase (%d tokens, %s)",
+                     token_budget, "mtp.rollout_share")
         docs = sample_rollout_documents(cfg, model, token_budget)
         if not dist.is_initialized() or dist.get_rank() == 0:
             cache.parent.mkdir(parents=True, exist_ok=True)
