@@ -224,6 +224,16 @@ def microbatches_for_step(
         yield data.batch(range(lo, lo + micro_batch_size))
 
 
+def eos_id(tokenizer) -> int:
+    """The end-of-document id: the char tokenizer's ``eos_id``, a Hugging Face tokenizer's ``eos_token_id``."""
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise DataError("the tokenizer has no EOS id (eos_id / eos_token_id): documents need one")
+    return int(eos)
+
+
 def load_documents(cfg, vocab_size: int) -> list[list[int]]:
     """Token documents (EOS appended) from ``data.path`` (JSONL) or the shipped synthetic generator."""
     d = cfg.data
@@ -233,23 +243,22 @@ def load_documents(cfg, vocab_size: int) -> list[list[int]]:
     else:
         docs = []
         for text in synthetic_documents(d.synthetic_samples, cfg.train.seed, d.synthetic_task):
-            docs.append(list(tok.encode(text)) + [getattr(tok, "eos_id", 1)])
+            docs.append(list(tok.encode(text)) + [eos_id(tok)])
     if max(max(x) for x in docs) >= vocab_size:
         raise DataError(f"tokenizer produces ids >= model.vocab_size {vocab_size}")
     return docs
 
 
 def mix_documents(docs: list[list[int]], extra: list[list[int]], share: float, eos: int) -> list[list[int]]:
-    """``docs`` cut to about (1 - share) of their tokens, with ``extra`` (EOS appended) spread evenly
-    among them: the same number of tokens, so the same windows per epoch, with ``share`` of them from
-    ``extra`` (``mtp.rollout_share``)."""
-    total = sum(len(x) for x in docs)
-    keep, n = [], 0
+    """About (1 - share) of ``docs``' tokens, taken evenly through them (not a prefix: a sorted
+    file keeps every part), with ``extra`` (EOS appended) spread evenly among them: the same number
+    of tokens, so the same windows per epoch, ``share`` of them from ``extra`` (``mtp.rollout_share``)."""
+    keep, owed, taken = [], 0.0, 0
     for x in docs:
-        if n >= (1.0 - share) * total and keep:
-            break
-        keep.append(x)
-        n += len(x)
+        owed += (1.0 - share) * len(x)
+        if taken < owed:  # behind (1 - share) of the tokens seen so far: keep this one
+            keep.append(x)
+            taken += len(x)
     extra = [list(x) + [eos] for x in extra]
     out, i, j, a, b = [], 0, 0, 0, 0  # a, b: tokens taken from keep / extra so far
     while i < len(keep) or j < len(extra):

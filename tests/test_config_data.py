@@ -185,15 +185,18 @@ def test_windows_deterministic_and_dp_sharded():
     assert tok.decode(tok.encode("count a in abca:2;")) == "count a in abca:2;"
 
 
-def test_rollout_share_needs_the_whole_trunk_on_one_rank():
-    """train-mtp refuses it before any work; other commands (bebop rl) do not read it."""
-    from bebop_megatron.training.rollout_data import check_layout
+def test_rollout_share_checks_the_rl_prompts_before_any_work(tmp_path):
+    """train-mtp checks the prompts the trunk will answer before its trunk phase, not after it."""
+    from bebop_megatron.data import DataError
+    from bebop_megatron.training.rollout_data import check_rollout_settings
 
-    cfg = Config.load(CONFIGS[-1].parent / "tiny_cpu.yaml", ["parallel.pipeline_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="rollout_share samples with the whole trunk on one rank"):
-        check_layout(cfg)
-    cfg.mtp.rollout_share = 0.0
-    check_layout(cfg)
+    tiny = CONFIGS[-1].parent / "tiny_cpu.yaml"
+    check_rollout_settings(Config.load(tiny))
+    with pytest.raises(DataError, match="prompt file not found"):
+        check_rollout_settings(Config.load(tiny, [f"rl.prompts_path={tmp_path / 'none.jsonl'}"]))
+    with pytest.raises(DataError, match="does not fit data.seq_length 64"):
+        check_rollout_settings(Config.load(tiny, ["rl.max_new_tokens=60"]))
+    check_rollout_settings(Config.load(tiny, ["rl.max_new_tokens=60", "mtp.rollout_share=0"]))  # not read
 
 
 def test_mix_documents_keeps_the_tokens_and_spreads_the_extra_share():
@@ -201,14 +204,16 @@ def test_mix_documents_keeps_the_tokens_and_spreads_the_extra_share():
     (EOS appended) spread evenly, the total about the data's own (the same windows per epoch)."""
     from bebop_megatron.data import mix_documents
 
-    docs = [[5] * 10 for _ in range(100)]  # 1000 tokens
+    docs = [[5, k] + [5] * 8 for k in range(100)]  # 1000 tokens; k numbers them
     extra = [[7] * 4 for _ in range(100)]  # 5 tokens each with the EOS
     out = mix_documents(docs, extra[:60], 0.3, eos=1)
     n_docs = sum(len(d) for d in out if d[0] == 5)
     n_extra = sum(len(d) for d in out if d[0] == 7)
     assert n_docs == 700 and n_extra == 300 and all(d[-1] == 1 for d in out if d[0] == 7)
+    kept = [d[1] for d in out if d[0] == 5]
+    assert kept == sorted(kept) and max(kept) >= 95  # taken through the whole list, not a prefix
     assert extra[0] == [7] * 4  # the caller's lists are not changed
     half = out[: len(out) // 2]  # evenly spread: each half holds about its share
     share_first_half = sum(len(d) for d in half if d[0] == 7) / sum(len(d) for d in half)
     assert abs(share_first_half - 0.3) < 0.05, share_first_half
-    assert mix_documents(docs, [], 0.3, eos=1) == docs[:70]
+    assert len(mix_documents(docs, [], 0.3, eos=1)) == 70

@@ -85,6 +85,10 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
 
     texts = [CharTokenizer().decode(d) for d in saved["docs"]]
     assert texts and all(t.startswith("sort ") and ":" in t for t in texts), texts[:3]
+    answers = [t.split(":", 1)[1] for t in texts]  # the (random) trunk's: at most rl.max_new_tokens, cut at the stop
+    assert all(len(a) <= 12 for a in answers) and sum(map(len, answers)) > 4 * len(answers), answers[:5]
+    assert all(";" not in a[:-1] for a in answers), [a for a in answers if ";" in a[:-1]][:3]
+    assert "sampled %d rollout documents" % len(texts) in proc.stdout + proc.stderr
     assert saved["meta"]["task"] == "sorting" and saved["meta"]["max_new_tokens"] == 12
     from bebop_megatron.config import Config
     from bebop_megatron.data import load_documents
@@ -264,3 +268,21 @@ def test_weights_only_load_keeps_missing_or_fresh_heads(tmp_path):
     # narrow heads: every head tensor keeps its init (the saved heads are wider), the trunk loads
     assert r["narrow"]["heads_init"] and r["narrow"]["trunk_from_file"] and set(r["narrow"]["kept"]) == set(r["narrow"]["heads"])
     assert "other shapes" in r["wide_trunk"] and "(2, 32, 64) there, (2, 32, 96) here" in r["wide_trunk"], r["wide_trunk"]
+
+
+def test_rollout_share_samples_once_across_tensor_parallel_ranks(tmp_path):
+    """TP=2: rank 0 gathers both shards of the trunk, samples the answers alone and broadcasts them;
+    the phase trains on them on both ranks."""
+    out = tmp_path / "tp2"
+    common = FAST + ["train.trunk_warmup_steps=0", "train.steps=2", "mtp.warmup_steps=0", "mtp.kl_warmup_steps=0",
+                     "mtp.rollout_share=0.5", "rl.task=sorting", "rl.max_new_tokens=12",
+                     "parallel.tensor_model_parallel_size=2", f"train.output_dir={out}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "bebop_megatron.cli",
+         "train-mtp", "--config", "configs/tiny_cpu.yaml", *[f"--set={x}" for x in common]],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = json.loads((out / "mtp" / "rollout_data.json").read_text())["docs"]
+    log = proc.stdout + proc.stderr
+    assert log.count(f"sampled {len(docs)} rollout documents") == 1, log[-2000:]  # rank 0 alone
+    assert json.loads((out / "summary.json").read_text())["mtp"]["step"] == 2

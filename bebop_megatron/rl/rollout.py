@@ -54,15 +54,21 @@ class PromptSource:
 
     def __init__(self, prompts: list[Prompt], seed: int):
         self.prompts, self.seed = prompts, seed
+        self._perm: tuple[int, list[int]] = (-1, [])  # (epoch, its order): one shuffle per epoch
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._perm[0] != epoch:
+            perm = list(range(len(self.prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+            self._perm = (epoch, perm)
+        return self._perm[1]
 
     def indices_for_step(self, step: int, per_step: int) -> list[int]:
         out = []
         n = len(self.prompts)
         for pos in range(step * per_step, (step + 1) * per_step):
             epoch, i = divmod(pos, n)
-            perm = list(range(n))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
-            out.append(perm[i])
+            out.append(self._order(epoch)[i])
         return out
 
 

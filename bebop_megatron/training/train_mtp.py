@@ -33,12 +33,13 @@ import torch.distributed as dist
 from bebop_megatron.checkpointing import (CheckpointMismatch, checkpoint_config, latest_checkpoint, load_checkpoint,
                                           load_model_weights, save_checkpoint)
 from bebop_megatron.config import Config
-from bebop_megatron.data import build_dataset, load_documents, load_tokenizer, microbatches_for_step, mix_documents
+from bebop_megatron.data import (build_dataset, eos_id, load_documents, load_tokenizer, microbatches_for_step,
+                                 mix_documents)
 from bebop_megatron.model import build_model
 from bebop_megatron.parallel import initialize_distributed, is_logging_rank
 from bebop_megatron.platform import Platform
 from bebop_megatron.training.optim import build_optimizer
-from bebop_megatron.training.rollout_data import check_layout, rollout_documents
+from bebop_megatron.training.rollout_data import check_rollout_settings, rollout_documents
 from bebop_megatron.training.step import train_iteration
 
 log = logging.getLogger("bebop.train_mtp")
@@ -144,10 +145,10 @@ def run_phase(cfg: Config, platform: Platform, phase: str, root: Path, steps: in
         # a share of the tokens: the (frozen) trunk's own answers to the RL prompts (training/rollout_data.py)
         share = cfg.mtp.rollout_share
         budget = round(share * sum(len(d) for d in docs))
-        rollouts = rollout_documents(cfg, model, budget, root / "rollout_data.json", init_from)
-        tok = load_tokenizer(cfg.data.tokenizer)
-        eos = getattr(tok, "eos_id", None)
-        docs = mix_documents(docs, rollouts, share, eos if eos is not None else tok.eos_token_id)
+        rollouts = rollout_documents(cfg, model, budget, root / "rollout_data.json",
+                                     trunk=None if resume_from is not None else init_from,
+                                     resuming=resume_from is not None)
+        docs = mix_documents(docs, rollouts, share, eos_id(load_tokenizer(cfg.data.tokenizer)))
     data = build_dataset(cfg, cfg.model.vocab_size, docs)
     p = cfg.parallel
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -229,7 +230,7 @@ def train_mtp(cfg: Config) -> dict:
                                       seed=cfg.train.seed, force_cpu=p.force_cpu,
                                       expert_model_parallel_size=p.expert_model_parallel_size)
     cfg.validate(world_size=dist.get_world_size())
-    check_layout(cfg)
+    check_rollout_settings(cfg)
     out = Path(cfg.train.output_dir)
     if is_logging_rank():
         out.mkdir(parents=True, exist_ok=True)
