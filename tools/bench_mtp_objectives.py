@@ -465,6 +465,8 @@ def main(argv=None) -> int:
         args.seeds, args.eval_samples, args.max_new_tokens = 2, 8, 16
         cfg.train.steps = min(cfg.train.steps, 20)
         cfg.train.trunk_warmup_steps = min(cfg.train.trunk_warmup_steps, 30)
+        # fewer SFT documents: mtp.rollout_share's answer budget is a share of their tokens
+        cfg.data.synthetic_samples = min(cfg.data.synthetic_samples, 400)
     if args.recommended:
         wl, ws = args.recommended.split(":")
         warmup = (wl, int(ws))
