@@ -93,6 +93,15 @@ def build_prompts(cfg, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     return train, evals
 
 
+def split_stops(tokenizer, stops: list[str]) -> tuple[list[int], list[str]]:
+    """(stop_token_ids, stop strings): single-token stop strings become ids (cheaper for the server)."""
+    ids, strs = [], []
+    for s in stops:
+        enc = list(tokenizer.encode(s))
+        (ids.append(enc[0]) if len(enc) == 1 else strs.append(s))
+    return ids, strs
+
+
 def reward_fn(kind: str) -> Callable[[str, Any], float]:
     from bebop_megatron.rl.rewards import code_reward, math_reward, synthetic_partial_reward, synthetic_reward
 
@@ -112,7 +121,7 @@ class RolloutManager:
         self.source = PromptSource(prompts, cfg.train.seed)
         self.reward = reward_fn(cfg.rl.reward)
         self.record_topk = record_topk
-        self._stop_ids, self._stop_strs = self._stops(cfg.rl.stop)
+        self._stop_ids, self._stop_strs = split_stops(self.tok, cfg.rl.stop)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="bebop-rollout", daemon=True)
         self._thread.start()
@@ -122,14 +131,6 @@ class RolloutManager:
         b = RolloutBridge(urls, api_key=api_key, health_interval=2.0)
         b.start_health_checks()
         return b
-
-    def _stops(self, stops: list[str]) -> tuple[list[int], list[str]]:
-        """Single-token stop strings become stop_token_ids (cheaper for the server)."""
-        ids, strs = [], []
-        for s in stops:
-            enc = list(self.tok.encode(s))
-            (ids.append(enc[0]) if len(enc) == 1 else strs.append(s))
-        return ids, strs
 
     def _call(self, coro, timeout: Optional[float] = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

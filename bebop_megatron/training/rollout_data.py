@@ -84,7 +84,7 @@ def sample_rollout_documents(cfg: Config, buckets: list[dict], token_budget: int
     """Prompt + sampled answer token lists until they hold ``token_budget`` tokens (each counted
     with the EOS the mix appends). ``buckets``: the trunk's HF-named weights."""
     from bebop_megatron.data import eos_id, load_tokenizer
-    from bebop_megatron.rl.rollout import PromptSource, build_prompts
+    from bebop_megatron.rl.rollout import PromptSource, build_prompts, split_stops
     from bebop_megatron.rl.weight_sync import rollout_model_for
     from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
 
@@ -96,10 +96,7 @@ def sample_rollout_documents(cfg: Config, buckets: list[dict], token_budget: int
         em.load_hf_state_dict(b, strict=False)
     train, _ = build_prompts(cfg, tok)
     order = PromptSource(train, cfg.train.seed)
-    stop_ids, stop_strs = [], []
-    for s in r.stop:  # single-token stops as ids, as the RL rollout manager sends them
-        enc = list(tok.encode(s))
-        (stop_ids.append(enc[0]) if len(enc) == 1 else stop_strs.append(s))
+    stop_ids, stop_strs = split_stops(tok, r.stop)  # as the RL rollout manager sends them
     ids_of = [list(tok.encode(p.text)) for p in train]
     longest = max(len(x) for x in ids_of)
     eng = Engine(em, tok, SpecConfig("none"), max_running=64, max_len=longest + r.max_new_tokens + 2)
