@@ -132,14 +132,13 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def load_jsonl_tokens(path: str | Path, tokenizer, text_key: str = "text", vocab_size: Optional[int] = None) -> list[list[int]]:
-    """Each line: ``{"input_ids": [...]}`` or ``{text_key: "..."}``. EOS is appended per document."""
+    """Each line: ``{"input_ids": [...]}`` or ``{text_key: "..."}``. EOS is appended per document
+    (``eos_id``: a tokenizer without one is refused, since packed documents would run together)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data file not found: {path}")
     docs: list[list[int]] = []
-    eos = getattr(tokenizer, "eos_id", None)
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
+    eos = eos_id(tokenizer)
     for lineno, rec in iter_jsonl(path):
         if "input_ids" in rec:
             ids = rec["input_ids"]
@@ -156,9 +155,7 @@ def load_jsonl_tokens(path: str | Path, tokenizer, text_key: str = "text", vocab
             raise DataError(f"{path}:{lineno}: needs 'input_ids' or '{text_key}'")
         if vocab_size is not None and ids and max(ids) >= vocab_size:
             raise DataError(f"{path}:{lineno}: token id {max(ids)} >= vocab_size {vocab_size}")
-        if eos is not None:
-            ids = ids + [eos]
-        docs.append(ids)
+        docs.append(ids + [eos])
     if not docs:
         raise DataError(f"{path}: no documents")
     return docs

@@ -166,6 +166,14 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         load_jsonl_tokens(f, tok)
     with pytest.raises(DataError, match="not found"):
         load_jsonl_tokens(tmp_path / "nope.jsonl", tok)
+    f.write_text(json.dumps({"text": "1+1=2;"}) + "\n" + json.dumps({"input_ids": [3, 4]}) + "\n")
+    assert load_jsonl_tokens(f, tok) == [tok.encode("1+1=2;") + [tok.eos_id], [3, 4, tok.eos_id]]
+
+    class NoEos:  # a tokenizer without an EOS id: packed documents would run together
+        encode = tok.encode
+
+    with pytest.raises(DataError, match="no EOS id"):
+        load_jsonl_tokens(f, NoEos())
 
 
 def test_windows_deterministic_and_dp_sharded():
@@ -197,6 +205,13 @@ def test_rollout_share_checks_the_rl_prompts_before_any_work(tmp_path):
     with pytest.raises(DataError, match="does not fit data.seq_length 64"):
         check_rollout_settings(Config.load(tiny, ["rl.max_new_tokens=60"]))
     check_rollout_settings(Config.load(tiny, ["rl.max_new_tokens=60", "mtp.rollout_share=0"]))  # not read
+    # an MoE trunk with its experts split over ranks cannot be gathered for the in-process engine
+    moe = [f"model.{k}" for k in ("arch=qwen3_5_moe", "num_moe_experts=4", "moe_ffn_hidden_size=64")] + \
+        ["mtp.rollout_share=0.5"]
+    qwen3p5 = CONFIGS[-1].parent / "tiny_qwen3p5_cpu.yaml"
+    check_rollout_settings(Config.load(qwen3p5, moe + ["parallel.expert_model_parallel_size=1"]))
+    with pytest.raises(ConfigError, match="needs expert_model_parallel_size 1"):
+        check_rollout_settings(Config.load(qwen3p5, moe + ["parallel.expert_model_parallel_size=2"]))
 
 
 def test_mix_documents_keeps_the_tokens_and_spreads_the_extra_share():

@@ -58,10 +58,11 @@ def test_entrocraft_selects_by_reward_relative_to_group():
     assert ctl.keep(0, 0.5, rewards, group_size=4)[0].all()
 
 
-def test_speculation_benchmark_is_interleaved_medians_on_one_thread():
+def test_speculation_benchmark_is_interleaved_medians_on_one_thread(monkeypatch):
     """The end-of-run rollout benchmark: >= 5 interleaved repetitions of plain and speculative
     decoding (in an order shuffled per repetition) on one torch thread (restored afterwards), medians
-    and a median per-repetition ratio."""
+    and a median per-repetition ratio. It stops where the rollouts stop: a single-token stop as an id,
+    a longer one as a stop string (it used to be dropped)."""
     from pathlib import Path
 
     from bebop_megatron.config import Config
@@ -72,7 +73,12 @@ def test_speculation_benchmark_is_interleaved_medians_on_one_thread():
 
     cfg = Config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml",
                       ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64",
-                       "rl.bench_prompts=4", "rl.max_new_tokens=6"])
+                       "rl.bench_prompts=4", "rl.max_new_tokens=6", 'rl.stop=[";", "=="]'])
+    from bebop_megatron.rollout.engine import Engine
+
+    seen = []
+    generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, ps, params: seen.append(params) or generate(self, ps, params))
     torch.manual_seed(0)
     m = rollout_model_for(cfg)
     params = dict(m.named_parameters())
@@ -88,6 +94,8 @@ def test_speculation_benchmark_is_interleaved_medians_on_one_thread():
     # interleaved in a shuffled order: every repetition runs each variant once, not always in one order
     assert all(sorted(o) == sorted(["no_spec", "mtp_spec", "adaptive"]) for o in res["orders"])
     assert len({tuple(o) for o in res["orders"]}) > 1
+    semi = CharTokenizer().encode(";")
+    assert seen and all(p.stop == ["=="] and p.stop_token_ids == semi for params in seen for p in params)
 
 
 def test_rollout_metrics_count_only_verify_tokens_and_report_mean_gamma():

@@ -174,6 +174,7 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
 
     import torch
 
+    from bebop_megatron.rl.rollout import split_stops
     from bebop_megatron.rl.weight_sync import rollout_model_for
     from bebop_megatron.rollout.engine import Engine, SamplingParams, SpecConfig
 
@@ -182,9 +183,10 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
     for b in buckets:
         model.load_hf_state_dict(b, strict=False)
     ids = [list(tokenizer.encode(p.text)) for p in prompts[: r.bench_prompts]]
-    stop_ids = [t for s in r.stop for t in (tokenizer.encode(s) if len(tokenizer.encode(s)) == 1 else [])]
+    # the stops as the rollouts send them: single-token ones as ids, longer ones as strings
+    stop_ids, stop_strs = split_stops(tokenizer, list(r.stop))
     params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                             stop_token_ids=stop_ids, seed=i) for i in range(len(ids))]
+                             stop=stop_strs, stop_token_ids=stop_ids, seed=i) for i in range(len(ids))]
     g = cfg.model.mtp_num_layers
     specs = {"no_spec": SpecConfig("none"), "mtp_spec": SpecConfig("mtp", g, r.verify),
              "adaptive": SpecConfig("mtp", g, r.verify, adaptive=True)}
