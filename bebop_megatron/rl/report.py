@@ -210,7 +210,7 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
         for rep in range(max(repeats, 5)):
             # interleaved (a slow patch of the machine hits all), in an order shuffled per repetition
             # (seeded), as tools/bench_rollout.py runs them: in a fixed order adaptive γ always ran right
-            # after fixed γ, and an all-plain adaptive engine measured 2-5% slower there (README, stop 35)
+            # after fixed γ, and an all-plain adaptive engine measured 2-5% slower there (docs/rollout_speed.md, stop 35)
             order = list(engines)
             random.Random(rep).shuffle(order)
             orders.append(order)

@@ -61,7 +61,6 @@ def _rational(s: str) -> Optional[Fraction]:
 
 
 def _to_sympy(s: str):
-    import sympy
     from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
 
     if len(s) > 200:
