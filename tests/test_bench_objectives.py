@@ -73,3 +73,15 @@ def test_one_temperature_leaves_the_slope_unjudged(bench):
     out = bench.summarise(recs, list(e_acc), [1.0], gamma=3)
     assert out["targets"]["sft"]["slope_target_met"] is None
     assert "target ≤ 0.5: not measured" in out["table"]
+
+
+def test_rl_eval_set_stops_as_rollouts_do(bench):
+    """A single-token stop is an id, a longer one a stop string (its every token as an id would stop
+    the trunk's answers and the engine's generations at its first token)."""
+    from bebop_megatron.config import Config
+    from bebop_megatron.data import CharTokenizer
+
+    cfg = Config.load(ROOT / "configs" / "tiny_cpu.yaml", ['rl.stop=[";", "=="]'])
+    sft, rl = bench.build_eval_sets(cfg, 4)
+    assert rl.stop_token_ids == CharTokenizer().encode(";") and rl.stops == ["=="]
+    assert sft.stops == [] and sft.stop_token_ids == []

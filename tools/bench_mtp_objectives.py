@@ -36,7 +36,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -60,6 +60,7 @@ class EvalSet:
     loss_mask: torch.Tensor  # [b, s]: which labels count (depth k at t is scored iff loss_mask[t+k])
     prompts: list[list[int]]
     stop_token_ids: list[int]
+    stops: list[str] = field(default_factory=list)  # multi-token stop strings (``split_stops``)
 
 
 # ----------------------------------------------------------------------------- data
@@ -74,6 +75,7 @@ def _pad_rows(rows: list[list[int]], length: int) -> torch.Tensor:
 
 def build_eval_sets(cfg, n: int, seed: int = 987_654) -> list[EvalSet]:
     from bebop_megatron.data import load_tokenizer, synthetic_documents, synthetic_problem
+    from bebop_megatron.rl.rollout import split_stops
 
     tok = load_tokenizer(cfg.data.tokenizer)
     s = cfg.data.seq_length
@@ -89,7 +91,9 @@ def build_eval_sets(cfg, n: int, seed: int = 987_654) -> list[EvalSet]:
     sft = EvalSet("sft", full[:, :-1].contiguous(), full[:, 1:].contiguous(), mask, sft_prompts, [])
     # rl: the RL prompts with their answers; only answer (+ stop) tokens are scored
     stop = "".join(cfg.rl.stop[:1]) or ";"
-    stop_ids = [t for x in cfg.rl.stop for t in tok.encode(x)] if cfg.rl.stop else []
+    # as `bebop rl` sends them: single-token stops as ids, longer ones as strings (every token of a
+    # longer stop as an id would stop at its first token)
+    stop_ids, stop_strs = split_stops(tok, list(cfg.rl.stop))
     kinds = [k.strip() for k in cfg.rl.task.split(",")]
     rows, masks, prompts = [], [], []
     for i in range(n):
@@ -102,7 +106,8 @@ def build_eval_sets(cfg, n: int, seed: int = 987_654) -> list[EvalSet]:
         masks.append(m)
         prompts.append(pi)
     full = _pad_rows(rows, s + 1)
-    rl = EvalSet("rl", full[:, :-1].contiguous(), full[:, 1:].contiguous(), torch.stack(masks), prompts, stop_ids)
+    rl = EvalSet("rl", full[:, :-1].contiguous(), full[:, 1:].contiguous(), torch.stack(masks), prompts, stop_ids,
+                 stop_strs)
     return [sft, rl]
 
 
@@ -118,7 +123,8 @@ def on_policy(em, cfg, ev: EvalSet, max_new_tokens: int, temperature: float = 1.
                  max_len=max(len(p) for p in ev.prompts) + max_new_tokens + 2)
     reqs = eng.generate([list(p) for p in ev.prompts],
                         [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                        stop_token_ids=list(ev.stop_token_ids), seed=7_000 + i)
+                                        stop=list(ev.stops), stop_token_ids=list(ev.stop_token_ids),
+                                        seed=7_000 + i)
                          for i in range(len(ev.prompts))])
     s = ev.tokens.shape[1]
     rows, masks = [], []
@@ -130,7 +136,7 @@ def on_policy(em, cfg, ev: EvalSet, max_new_tokens: int, temperature: float = 1.
         masks.append(m)
     full = _pad_rows(rows, s + 1)
     return EvalSet(ev.name, full[:, :-1].contiguous(), full[:, 1:].contiguous(), torch.stack(masks), ev.prompts,
-                   ev.stop_token_ids)
+                   ev.stop_token_ids, ev.stops)
 
 
 # ------------------------------------------------------------------ teacher-forced α
@@ -225,7 +231,8 @@ def engine_run(em, cfg, ev: EvalSet, verify: str, temperature: float, max_new_to
     eng = Engine(em, tok, SpecConfig("mtp", cfg.model.mtp_num_layers, verify), max_running=len(ev.prompts),
                  max_len=longest + max_new_tokens + 2)
     params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                             stop_token_ids=list(ev.stop_token_ids), seed=seed * 100_003 + i)
+                             stop=list(ev.stops), stop_token_ids=list(ev.stop_token_ids),
+                             seed=seed * 100_003 + i)
               for i in range(len(ev.prompts))]
     eng.generate([list(p) for p in ev.prompts], params)
     st = eng.stats()
