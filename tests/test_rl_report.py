@@ -85,7 +85,7 @@ def test_speculation_benchmark_is_interleaved_medians_on_one_thread(monkeypatch)
     bucket = {hf: params[n].detach().clone().normal_(0, 0.2) for n, hf in m.hf_state_dict_names().items()}
     threads = torch.get_num_threads()
     res = speculation_benchmark(cfg, [bucket], [Prompt(text=f"{i}+{i}=", answer=str(2 * i)) for i in range(6)],
-                                CharTokenizer(), repeats=2)
+                                CharTokenizer(), repeats=2, min_rep_seconds=0.05)
     assert torch.get_num_threads() == threads
     assert res["repeats"] == 5 and res["batch"] == 4 and res["speedup"] > 0
     assert res["no_spec"]["tokens_per_verify"] == 1.0 and res["mtp_spec"]["tokens_per_verify"] >= 1.0
@@ -94,6 +94,12 @@ def test_speculation_benchmark_is_interleaved_medians_on_one_thread(monkeypatch)
     # interleaved in a shuffled order: every repetition runs each variant once, not always in one order
     assert all(sorted(o) == sorted(["no_spec", "mtp_spec", "adaptive"]) for o in res["orders"])
     assert len({tuple(o) for o in res["orders"]}) > 1
+    # a repetition is several batches back to back (one short batch is too short to time), each with
+    # other seeds; every variant runs the same ones
+    nb = res["batches_per_rep"]
+    assert nb >= 2, nb
+    timed = seen[-3 * 5 * nb:]  # the timed batches: 5 repetitions x 3 variants x nb
+    assert len({params[0].seed for params in timed}) == nb
     semi = CharTokenizer().encode(";")
     assert seen and all(p.stop == ["=="] and p.stop_token_ids == semi for params in seen for p in params)
 

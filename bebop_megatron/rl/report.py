@@ -4,6 +4,7 @@ response length (partial fit), PNG curves, and a speculation benchmark."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -161,7 +162,8 @@ def acceptance_vs_entropy(rows: list[dict], out_dir: Path) -> dict:
             "acceptance_vs_entropy_plot": str(out_dir / "acceptance_vs_entropy.svg")}
 
 
-def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats: int = 5) -> dict:
+def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats: int = 5,
+                          min_rep_seconds: float = 0.5) -> dict:
     """Rollout tokens/s of the final policy on the embedded engine: plain decoding, MTP speculation at
     the fixed γ, and adaptive γ (``speedup`` and ``speedup_adaptive``, both against plain).
 
@@ -169,7 +171,11 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
     engines are built and warmed up first (adaptive γ also measures its round costs on the whole
     batch), then each of ``repeats`` (>= 5) repetitions runs plain, fixed, adaptive (in a seeded
     order shuffled per repetition, ``orders``) on the same prompts, seeds and one torch thread; the
-    figures are medians over repetitions, and the speed-ups are medians of the per-repetition ratios."""
+    figures are medians over repetitions, and the speed-ups are medians of the per-repetition ratios.
+    A repetition generates the batch ``batches_per_rep`` times back to back (other seeds each time, the
+    same ones for every variant), as many as plain decoding needs for ``min_rep_seconds``: one batch
+    of the short RL answers lasts about 50 ms, too short to time on a shared machine (as
+    ``tools/bench_rollout.py --min-rep-seconds``)."""
     import statistics
 
     import torch
@@ -205,6 +211,15 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
                     eng.generate(ids, warm)
             eng.reset_stats()
             engines[name] = eng
+        def batch_params(j: int) -> list:  # the j-th batch of a repetition: other seeds than the warm-ups'
+            return [SamplingParams(**{**vars(p), "seed": p.seed + 1_000 * j}) for p in params]
+
+        with torch.inference_mode():  # how many batches plain decoding needs for min_rep_seconds
+            t0 = time.perf_counter()
+            engines["no_spec"].generate(ids, batch_params(0))
+            one = time.perf_counter() - t0
+        engines["no_spec"].reset_stats()
+        nb = max(1, min(100, math.ceil(min_rep_seconds / max(one, 1e-6))))
         runs: dict[str, list[dict]] = {name: [] for name in specs}
         orders = []
         for rep in range(max(repeats, 5)):
@@ -216,11 +231,14 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
             orders.append(order)
             for name in order:
                 eng = engines[name]
-                t0 = time.perf_counter()
+                dt, toks = 0.0, 0
                 with torch.inference_mode():
-                    reqs = eng.generate(ids, [SamplingParams(**vars(p)) for p in params])
-                dt = time.perf_counter() - t0
-                toks = sum(len(q.output_ids) for q in reqs)
+                    for j in range(nb):
+                        batch = batch_params(j)
+                        t0 = time.perf_counter()
+                        reqs = eng.generate(ids, batch)
+                        dt += time.perf_counter() - t0
+                        toks += sum(len(q.output_ids) for q in reqs)
                 runs[name].append({"tokens": toks, "seconds": dt, "tokens_per_s": toks / dt})
     finally:
         torch.set_num_threads(threads)
@@ -241,6 +259,7 @@ def speculation_benchmark(cfg, buckets: list[dict], prompts, tokenizer, repeats:
     res["speedup_adaptive"] = statistics.median(s["tokens_per_s"] / p["tokens_per_s"]
                                                 for p, s in zip(runs["no_spec"], runs["adaptive"]))
     res["repeats"] = len(runs["no_spec"])
+    res["batches_per_rep"] = nb
     res["orders"] = orders
     res["batch"] = len(ids)
     return res
