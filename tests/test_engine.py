@@ -78,6 +78,65 @@ def test_mtp_input_fold_equals_its_definition_and_follows_weight_updates(qwen3_d
     assert not mi._mtp_folds
 
 
+def test_rope_with_signed_sin_equals_the_textbook_rotation():
+    """x·cos + swap_halves(x)·[-sin, sin] is x·cos + rotate_half(x)·sin bit for bit, for full and
+    partial RoPE (the first rd dims of each head)."""
+    from bebop_megatron.rollout.modeling import _rope_apply, _rotate_half
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 6, 16, generator=gen)
+    for rd in (16, 8):
+        ang = torch.rand(1, 5, 1, rd // 2, generator=gen) * 10
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        signed = torch.cat([-ang.sin(), ang.sin()], -1)
+        r = x[..., :rd]
+        ref = torch.cat([r * cos + _rotate_half(r) * sin, x[..., rd:]], dim=-1)
+        assert torch.equal(_rope_apply(x, cos, signed), ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_fused_cpu_weights_equal_the_modules_and_follow_weight_updates(tmp_path, arch, monkeypatch):
+    """Attention (q/k/v as one matmul, q and k normed and rotated together), MLP (gate and up as one)
+    and the LM head run from fused [in, out] copies of their weights (``_fast_weights``): the same
+    logits as the modules themselves; an in-place update of any weight rebuilds the copies; none
+    above FAST_WEIGHTS_MAX_BYTES or with autograd on (gradients then reach the weights)."""
+    import bebop_megatron.rollout.modeling as modeling
+
+    make_hf_checkpoint(tmp_path, arch, "qwen3_next", num_mtp=1)
+    m = CausalLMWithMTP.from_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def logits(fast: bool):
+        monkeypatch.setattr(modeling, "FAST_WEIGHTS_MAX_BYTES", (8 << 20) if fast else 0)
+        for mod in m.modules():
+            mod.__dict__.pop("_fast", None)
+        normed, _ = m.trunk(ids, m.new_cache(2, 16, "trunk"), make_batch_index([0, 1], [0, 0], [9, 9], "cpu"))
+        with torch.no_grad():
+            out = m.logits(normed)
+        built = [mod.__dict__["_fast"][2] is not None for mod in (m.layers[0].self_attn, m.layers[0].mlp, m)]
+        assert built == [fast] * 3
+        return out
+
+    ref = logits(False)
+    assert (logits(True) - ref).abs().max() < 1e-5
+    layer = m.layers[1]
+    with torch.no_grad():  # in place, as Engine.update_weights copies; the caches stay from the run above
+        for w in (layer.self_attn.k_proj.weight, layer.self_attn.q_norm.weight if arch == "qwen3" else
+                  layer.self_attn.v_proj.bias, layer.mlp.up_proj.weight, m.embed_tokens.weight):
+            w.mul_(1.5)
+    normed, _ = m.trunk(ids, m.new_cache(2, 16, "trunk"), make_batch_index([0, 1], [0, 0], [9, 9], "cpu"))
+    with torch.no_grad():
+        fast = m.logits(normed)
+    assert (fast - logits(False)).abs().max() < 1e-5 and (fast - ref).abs().max() > 1e-2
+    # autograd on: the modules run, and gradients reach their weights
+    monkeypatch.setattr(modeling, "FAST_WEIGHTS_MAX_BYTES", 8 << 20)
+    b = make_batch_index([0], [0], [9], "cpu")
+    x = m.embed_tokens(ids[:1])
+    cos, sin = m._rope_for(b, x.dtype)
+    layer(x, cos, sin, m.new_cache(1, 16, "trunk").layers[1], b).sum().backward()
+    assert layer.self_attn.q_proj.weight.grad is not None and layer.mlp.gate_proj.weight.grad is not None
+
+
 def test_single_row_batch_index_views_equal_the_general_path():
     """One row built on the host reads its causal mask and RoPE rows as slices of cached tables;
     they equal the general path's (tensor-built) mask and gathered RoPE rows."""
