@@ -137,6 +137,24 @@ def test_fused_cpu_weights_equal_the_modules_and_follow_weight_updates(tmp_path,
     assert layer.self_attn.q_proj.weight.grad is not None and layer.mlp.gate_proj.weight.grad is not None
 
 
+@pytest.mark.parametrize("nh,nkv", [(4, 2), (4, 4), (6, 1)])
+def test_matmul_attention_equals_sdpa(monkeypatch, nh, nkv):
+    """``_attend``'s matmul path (batches of MANUAL_ATTENTION_MIN_ROWS rows and more on a CPU) equals
+    SDPA with the boolean mask: rows of different starts and lengths, grouped-query heads."""
+    import bebop_megatron.rollout.modeling as modeling
+
+    gen = torch.Generator().manual_seed(0)
+    B, N, hd = 13, 4, 8
+    starts, lens = [int(x) for x in torch.randint(0, 20, (B,), generator=gen)], [1 + i % N for i in range(B)]
+    b = make_batch_index(list(range(B)), starts, lens, "cpu", N=N)
+    q = torch.randn(B, N, nh, hd, generator=gen)
+    keys, values = torch.randn(2, B, nkv, b.span, hd, generator=gen)
+    fast = modeling._attend(q, keys, values, b)
+    monkeypatch.setattr(modeling, "MANUAL_ATTENTION_MIN_ROWS", B + 1)
+    ref = modeling._attend(q, keys, values, b)
+    assert fast.shape == (B, N, nh * hd) and (fast - ref).abs().max() < 1e-5
+
+
 def test_single_row_batch_index_views_equal_the_general_path():
     """One row built on the host reads its causal mask and RoPE rows as slices of cached tables;
     they equal the general path's (tensor-built) mask and gathered RoPE rows."""

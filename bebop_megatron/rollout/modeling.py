@@ -274,6 +274,32 @@ def _fast_weights(owner: nn.Module, ws: list, build) -> Optional[tuple]:
     return ent[2]
 
 
+MANUAL_ATTENTION_MIN_ROWS = 12  # on a CPU, batches of this many rows attend by matmul + softmax
+
+
+def _attend(q: Tensor, keys: Tensor, values: Tensor, b: "BatchIndex") -> Tensor:
+    """Causal attention of q [B, N, nh, hd] over a slot's keys / values [B, nkv, L, hd] -> [B, N, nh·hd],
+    scaled by hd^-0.5, query head h reading kv head h // (nh / nkv) (grouped-query attention).
+
+    SDPA's CPU kernel (flash attention, with the boolean mask) is the fast path for a few rows; from
+    ``MANUAL_ATTENTION_MIN_ROWS`` rows on, two batched matmuls and a softmax with the additive mask beat
+    it by 15-30% on one thread (tiny model, 80 keys: 94 µs against 110 at 12 rows, 523 against 743 at
+    128), and a rollout batch of an RL step is 128 rows. The query heads of one kv head are stacked as
+    rows of one matmul, so the keys are never repeated. Equal up to float rounding."""
+    B, N, nh, hd = q.shape
+    nkv, L = keys.shape[1], keys.shape[2]
+    if q.device.type != "cpu" or B < MANUAL_ATTENTION_MIN_ROWS:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=b.attn_mask,
+                                             enable_gqa=nh != nkv)
+        return out.transpose(1, 2).reshape(B, N, nh * hd)
+    g = nh // nkv
+    qq = q.reshape(B, N, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * N, hd)
+    scores = torch.matmul(qq, keys.transpose(-1, -2)).view(B, nkv, g, N, L)
+    probs = torch.softmax(scores.mul_(hd ** -0.5).add_(b.additive_mask(scores.dtype)), dim=-1)
+    out = torch.matmul(probs.view(B, nkv, g * N, L), values).view(B, nkv, g, N, hd)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, N, nh * hd)
+
+
 class Attention(nn.Module):
     def __init__(self, c: LMConfig):
         super().__init__()
@@ -322,9 +348,7 @@ class Attention(nn.Module):
                 qk = F.rms_norm(qk, (hd,), None, c.rms_norm_eps) * w_qk
             qk = _rope_apply(qk, cos, sin)
             keys, values = cache.write_and_read(qk[:, :, nh:], v, batch)  # [B, nkv, L, hd]
-            out = F.scaled_dot_product_attention(qk[:, :, :nh].transpose(1, 2), keys, values, attn_mask=batch.attn_mask,
-                                                 enable_gqa=nh != nkv)
-            return torch.mm(out.transpose(1, 2).reshape(B * N, -1), w_o).view(B, N, -1)
+            return torch.mm(_attend(qk[:, :, :nh], keys, values, batch).view(B * N, -1), w_o).view(B, N, -1)
         gate = None
         if c.attn_output_gate:  # per head [q_h; gate_h]
             q, gate = self.q_proj(x).view(B, N, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)
@@ -338,9 +362,7 @@ class Attention(nn.Module):
         # partial RoPE (cos narrower than a head): the first rd dims of each head rotate, the rest pass
         q, k = _rope_apply(q, cos, sin), _rope_apply(k, cos, sin)
         keys, values = cache.write_and_read(k, v, batch)  # [B, nkv, L, hd]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=batch.attn_mask,
-                                             enable_gqa=c.num_attention_heads != c.num_key_value_heads)
-        out = out.transpose(1, 2).reshape(B, N, -1)
+        out = _attend(q, keys, values, batch)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
@@ -620,6 +642,16 @@ class BatchIndex:
     host_max_position: Optional[int] = None  # the largest position, when the host knows it
     single_start: Optional[int] = None  # one row, built on the host: its first position (RoPE rows are a slice)
     _writes: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # cache length -> (slots, positions) to write at
+    _additive: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype -> additive mask
+
+    def additive_mask(self, dtype) -> Tensor:
+        """``attn_mask`` as [B, 1, 1, N, L] scores to add (0 / -inf), built once per forward for
+        ``_attend``'s matmul path (every layer of the forward reads it)."""
+        m = self._additive.get(dtype)
+        if m is None:
+            m = self._additive[dtype] = torch.zeros(self.attn_mask.shape, dtype=dtype, device=self.attn_mask.device
+                                                    ).masked_fill_(~self.attn_mask, float("-inf")).unsqueeze(1)
+        return m
 
     def write_index(self, max_len: int) -> tuple[Tensor, Tensor]:
         """(slots [B, N], positions [B, N] clamped to the cache): where every layer of a forward
