@@ -113,7 +113,7 @@ def test_fused_cpu_weights_equal_the_modules_and_follow_weight_updates(tmp_path,
         normed, _ = m.trunk(ids, m.new_cache(2, 16, "trunk"), make_batch_index([0, 1], [0, 0], [9, 9], "cpu"))
         with torch.no_grad():
             out = m.logits(normed)
-        built = [mod.__dict__["_fast"][2] is not None for mod in (m.layers[0].self_attn, m.layers[0].mlp, m)]
+        built = [mod.__dict__["_fast"][1] is not None for mod in (m.layers[0].self_attn, m.layers[0].mlp, m)]
         assert built == [fast] * 3
         return out
 
@@ -128,6 +128,15 @@ def test_fused_cpu_weights_equal_the_modules_and_follow_weight_updates(tmp_path,
     with torch.no_grad():
         fast = m.logits(normed)
     assert (fast - logits(False)).abs().max() < 1e-5 and (fast - ref).abs().max() > 1e-2
+    # a move to another dtype (new storage, versions unchanged) rebuilds them too
+    monkeypatch.setattr(modeling, "FAST_WEIGHTS_MAX_BYTES", 8 << 20)
+    logits(True)
+    m.double()
+    normed, _ = m.trunk(ids, m.new_cache(2, 16, "trunk"), make_batch_index([0, 1], [0, 0], [9, 9], "cpu"))
+    with torch.no_grad():
+        fast64 = m.logits(normed)
+    assert fast64.dtype == torch.float64 and (fast64 - logits(False)).abs().max() < 1e-9
+    m.float()
     # autograd on: the modules run, and gradients reach their weights
     monkeypatch.setattr(modeling, "FAST_WEIGHTS_MAX_BYTES", 8 << 20)
     b = make_batch_index([0], [0], [9], "cpu")

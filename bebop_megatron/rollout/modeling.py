@@ -248,9 +248,10 @@ def _rope_apply(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 FAST_WEIGHTS_MAX_BYTES = 8 << 20  # a module's weights up to this size get a fused, transposed CPU copy
 
 
-def _fast_weights(owner: nn.Module, ws: list, build) -> Optional[tuple]:
-    """``build()``'s fused, transposed copies of ``ws``, cached on ``owner`` until one of them changes,
-    for small modules on a CPU without autograd; None elsewhere (the modules' own layers then run).
+def _fast_weights(owner: nn.Module, weights, build) -> Optional[tuple]:
+    """``build()``'s fused, transposed copies of the tensors ``weights()`` lists, cached on ``owner`` until
+    one of them changes, for small modules on a CPU without autograd; None elsewhere (the modules' own
+    layers then run).
 
     On a CPU a forward of a few tokens is bound by per-op cost: one matmul over the concatenated
     q/k/v (or gate/up) weights replaces three (two) linears, and MKL multiplies a few rows by a
@@ -259,19 +260,26 @@ def _fast_weights(owner: nn.Module, ws: list, build) -> Optional[tuple]:
     cap (``FAST_WEIGHTS_MAX_BYTES``: the CPU models; a real model's layer is larger and runs on a GPU,
     where ``F.linear`` is the fast path). They are keyed on each weight's storage and version counter,
     as ``CausalLMWithMTP._mtp_fold`` is: in-place updates (``copy_``, as ``load_hf_state_dict`` and the
-    RL weight sync do) rebuild them; writes through ``.data`` would not."""
+    RL weight sync do) and moves rebuild them; writes through ``.data`` would not. The weights are
+    listed once per owner (the check runs in every layer of every forward: 3 µs, not 16); a module
+    whose parameters are replaced by new ones must drop ``owner._fast_ws``."""
+    d = owner.__dict__
+    ws = d.get("_fast_ws")
+    if ws is None:
+        ws = d["_fast_ws"] = tuple(weights())
     w0 = ws[0]
-    if (torch.is_grad_enabled() or w0.device.type != "cpu" or w0.dtype not in (torch.float32, torch.float64)
-            or w0.is_inference()):
+    if torch.is_grad_enabled() or w0.device.type != "cpu" or w0.dtype not in (torch.float32, torch.float64) \
+            or w0.is_inference():
         return None
-    key = tuple((t.data_ptr(), t._version) for t in ws)
-    ent = owner.__dict__.get("_fast")
-    if ent is None or ent[0] != key or ent[1] != w0.dtype:
+    # version counters only grow, so their sum changes with any in-place write; a move changes w0's storage
+    key = (w0.data_ptr(), w0.dtype, sum([t._version for t in ws]))
+    ent = d.get("_fast")
+    if ent is None or ent[0] != key:
         small = sum(t.numel() * t.element_size() for t in ws) <= FAST_WEIGHTS_MAX_BYTES
         with torch.no_grad():
-            ent = (key, w0.dtype, build() if small else None)
-        owner.__dict__["_fast"] = ent
-    return ent[2]
+            ent = (key, build() if small else None)
+        d["_fast"] = ent
+    return ent[1]
 
 
 MANUAL_ATTENTION_MIN_ROWS = 12  # on a CPU, batches of this many rows attend by matmul + softmax
@@ -309,6 +317,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias=c.qkv_bias)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.no_fused = c.attn_output_gate or c.zero_centered_norm  # layouts ``_fused`` does not cover
         if c.qk_norm:
             self.q_norm = _norm(c, hd)
             self.k_norm = _norm(c, hd)
@@ -317,22 +326,20 @@ class Attention(nn.Module):
         """(W_qkvᵀ [h, (nh + 2·nkv)·hd], its bias or None, W_oᵀ, the q/k norm weights per head
         [nh + nkv, hd] or None), for ``forward``'s fused path (``_fast_weights``); None where the
         layout does not allow one (an output gate interleaves q_proj's rows; zero-centred norms)."""
-        c = self.c
-        if c.attn_output_gate or c.zero_centered_norm:
-            return None
-        lin = (self.q_proj, self.k_proj, self.v_proj)
-        ws = [m.weight for m in lin] + [self.o_proj.weight]
-        ws += [m.bias for m in lin] if c.qkv_bias else []
-        ws += [self.q_norm.weight, self.k_norm.weight] if c.qk_norm else []
+        return None if self.no_fused else _fast_weights(self, self._fused_weights, self._build_fused)
 
-        def build():
-            w_qkv = torch.cat([m.weight for m in lin]).t().contiguous()
-            b_qkv = torch.cat([m.bias for m in lin]) if c.qkv_bias else None
-            w_qk = (torch.cat([self.q_norm.weight.expand(c.num_attention_heads, -1),
-                               self.k_norm.weight.expand(c.num_key_value_heads, -1)]) if c.qk_norm else None)
-            return w_qkv, b_qkv, self.o_proj.weight.t().contiguous(), w_qk
+    def _fused_weights(self) -> list:
+        c, lin = self.c, (self.q_proj, self.k_proj, self.v_proj)
+        return ([m.weight for m in lin] + [self.o_proj.weight] + ([m.bias for m in lin] if c.qkv_bias else [])
+                + ([self.q_norm.weight, self.k_norm.weight] if c.qk_norm else []))
 
-        return _fast_weights(self, ws, build)
+    def _build_fused(self) -> tuple:
+        c, lin = self.c, (self.q_proj, self.k_proj, self.v_proj)
+        w_qkv = torch.cat([m.weight for m in lin]).t().contiguous()
+        b_qkv = torch.cat([m.bias for m in lin]) if c.qkv_bias else None
+        w_qk = (torch.cat([self.q_norm.weight.expand(c.num_attention_heads, -1),
+                           self.k_norm.weight.expand(c.num_key_value_heads, -1)]) if c.qk_norm else None)
+        return w_qkv, b_qkv, self.o_proj.weight.t().contiguous(), w_qk
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: "LayerCache", batch: "BatchIndex") -> Tensor:
         B, N, _ = x.shape
@@ -531,10 +538,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
         self.down_proj = nn.Linear(size, c.hidden_size, bias=False)
 
+    def _fused_weights(self) -> tuple:
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
+    def _build_fused(self) -> tuple:
+        return (torch.cat([self.gate_proj.weight, self.up_proj.weight]).t().contiguous(),
+                self.down_proj.weight.t().contiguous())
+
     def forward(self, x: Tensor) -> Tensor:
-        fused = _fast_weights(self, [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight],
-                              lambda: (torch.cat([self.gate_proj.weight, self.up_proj.weight]).t().contiguous(),
-                                       self.down_proj.weight.t().contiguous()))
+        fused = _fast_weights(self, self._fused_weights, self._build_fused)
         if fused is not None:  # one matmul for gate and up, weights as [in, out] (``_fast_weights``)
             w_gu, w_d = fused
             g, u = torch.mm(x.reshape(-1, x.shape[-1]), w_gu).chunk(2, dim=-1)
@@ -863,9 +875,12 @@ class CausalLMWithMTP(nn.Module):
     def _rope_for(self, b: BatchIndex, dtype) -> tuple[Tensor, Tensor]:
         return self._rope(b.positions, dtype, b.span + b.positions.shape[1], b.single_start)
 
+    def _head_weights(self) -> tuple:
+        return (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight,)
+
     def logits(self, hidden: Tensor) -> Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        fused = _fast_weights(self, [w], lambda: (w.t().contiguous(),))  # a small vocabulary's head as [h, V]
+        fused = _fast_weights(self, self._head_weights, lambda: (w.t().contiguous(),))  # a small vocabulary's head as [h, V]
         if fused is not None:
             return torch.mm(hidden.reshape(-1, hidden.shape[-1]), fused[0]).view(*hidden.shape[:-1], -1)
         return F.linear(hidden, w)
