@@ -942,11 +942,13 @@ class CausalLMWithMTP(nn.Module):
         """(enorm(E)·W_eᵀ [V, h], W_hᵀ [h, h]) for module i, rebuilt when a weight it reads
         changes (an in-place update bumps the parameter's version; a move changes its storage);
         None when the table would exceed ``MTP_FOLD_MAX_BYTES``."""
-        E, w = self.embed_tokens.weight, m.eh_proj.weight
-        if (E.numel() * E.element_size() > MTP_FOLD_MAX_BYTES or torch.is_grad_enabled()
-                or any(t.is_inference() for t in (E, m.enorm.weight, w))):
+        if torch.is_grad_enabled():
             return None
-        key = tuple((t.data_ptr(), t._version, t.dtype) for t in (E, m.enorm.weight, w))
+        E, w, we = self.embed_tokens.weight, m.eh_proj.weight, m.enorm.weight
+        if E.numel() * E.element_size() > MTP_FOLD_MAX_BYTES or E.is_inference() or w.is_inference() or we.is_inference():
+            return None
+        # version counters only grow: their sum changes with any in-place write (one draft step per depth runs this)
+        key = (E.data_ptr(), w.data_ptr(), we.data_ptr(), E.dtype, E._version + w._version + we._version)
         ent = self._mtp_folds.get(i)
         if ent is None or ent[0] != key:
             h = E.shape[1]
