@@ -38,6 +38,18 @@ def test_logits_equal_transformers(tmp_path, arch, tie):
     ours.trunk(ids[:1, :10], cache2, make_batch_index([0], [0], [10], "cpu"))
     step, _ = ours.trunk(ids[:1, 10:13], cache2, make_batch_index([0], [10], [3], "cpu"))
     assert (ours.logits(step[0]) - ref[0, 10:13]).abs().max() < 1e-4
+    # 13 rows of different lengths (attention by matmul from MANUAL_ATTENTION_MIN_ROWS rows), then one step each
+    ids13 = torch.randint(0, 64, (13, 12), generator=torch.Generator().manual_seed(2))
+    lens = [4 + i % 8 for i in range(13)]
+    with torch.no_grad():
+        ref13 = hf(ids13).logits
+    cache3 = ours.new_cache(13, 32, "trunk")
+    pre, _ = ours.trunk(ids13[:, :11], cache3, make_batch_index(list(range(13)), [0] * 13, lens, "cpu", N=11))
+    nxt = torch.stack([ids13[i, n] for i, n in enumerate(lens)])[:, None]
+    step13, _ = ours.trunk(nxt, cache3, make_batch_index(list(range(13)), lens, [1] * 13, "cpu", N=1))
+    for i, n in enumerate(lens):
+        assert (ours.logits(pre[i, :n]) - ref13[i, :n]).abs().max() < 1e-4
+        assert (ours.logits(step13[i, 0]) - ref13[i, n]).abs().max() < 1e-4
 
 
 def test_mtp_input_fold_equals_its_definition_and_follows_weight_updates(qwen3_dir, monkeypatch):
@@ -122,12 +134,19 @@ def test_fused_cpu_weights_equal_the_modules_and_follow_weight_updates(tmp_path,
     layer = m.layers[1]
     with torch.no_grad():  # in place, as Engine.update_weights copies; the caches stay from the run above
         for w in (layer.self_attn.k_proj.weight, layer.self_attn.q_norm.weight if arch == "qwen3" else
-                  layer.self_attn.v_proj.bias, layer.mlp.up_proj.weight, m.embed_tokens.weight):
+                  layer.self_attn.v_proj.bias, layer.mlp.up_proj.weight, m.lm_head.weight):
             w.mul_(1.5)
     normed, _ = m.trunk(ids, m.new_cache(2, 16, "trunk"), make_batch_index([0, 1], [0, 0], [9, 9], "cpu"))
     with torch.no_grad():
         fast = m.logits(normed)
     assert (fast - logits(False)).abs().max() < 1e-5 and (fast - ref).abs().max() > 1e-2
+    # a replaced parameter (not written in place: a new tensor with its own version counter) is seen too
+    logits(True)
+    layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight.detach() * 2)
+    normed, _ = m.trunk(ids, m.new_cache(2, 16, "trunk"), make_batch_index([0, 1], [0, 0], [9, 9], "cpu"))
+    with torch.no_grad():
+        fast = m.logits(normed)
+    assert (fast - logits(False)).abs().max() < 1e-5
     # a move to another dtype (new storage, versions unchanged) rebuilds them too
     monkeypatch.setattr(modeling, "FAST_WEIGHTS_MAX_BYTES", 8 << 20)
     logits(True)
@@ -162,6 +181,12 @@ def test_matmul_attention_equals_sdpa(monkeypatch, nh, nkv):
     monkeypatch.setattr(modeling, "MANUAL_ATTENTION_MIN_ROWS", B + 1)
     ref = modeling._attend(q, keys, values, b)
     assert fast.shape == (B, N, nh * hd) and (fast - ref).abs().max() < 1e-5
+    # half precision stays on SDPA (its CPU kernel keeps the scores in float32)
+    monkeypatch.setattr(modeling, "MANUAL_ATTENTION_MIN_ROWS", 12)
+    qh, kh, vh = q.bfloat16(), keys.bfloat16(), values.bfloat16()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(qh.transpose(1, 2), kh, vh, attn_mask=b.attn_mask,
+                                                            enable_gqa=nh != nkv)
+    assert torch.equal(modeling._attend(qh, kh, vh, b), sdpa.transpose(1, 2).reshape(B, N, nh * hd))
 
 
 def test_single_row_batch_index_views_equal_the_general_path():

@@ -246,6 +246,14 @@ def _rope_apply(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 FAST_WEIGHTS_MAX_BYTES = 8 << 20  # a module's weights up to this size get a fused, transposed CPU copy
+_PARAM_EPOCH = [0]  # bumped whenever any module registers a parameter (assignment, load_state_dict(assign=True))
+
+
+def _on_parameter_registered(module: nn.Module, name: str, param) -> None:
+    _PARAM_EPOCH[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
 
 
 def _fast_weights(owner: nn.Module, weights, build) -> Optional[tuple]:
@@ -261,18 +269,27 @@ def _fast_weights(owner: nn.Module, weights, build) -> Optional[tuple]:
     where ``F.linear`` is the fast path). They are keyed on each weight's storage and version counter,
     as ``CausalLMWithMTP._mtp_fold`` is: in-place updates (``copy_``, as ``load_hf_state_dict`` and the
     RL weight sync do) and moves rebuild them; writes through ``.data`` would not. The weights are
-    listed once per owner (the check runs in every layer of every forward: 3 µs, not 16); a module
-    whose parameters are replaced by new ones must drop ``owner._fast_ws``."""
+    listed once per owner (the check runs in every layer of every forward: 5 µs, not 16) and again
+    after any parameter is registered anywhere (a global registration hook bumps ``_PARAM_EPOCH``), so
+    replaced parameters (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``) are seen."""
     d = owner.__dict__
     ws = d.get("_fast_ws")
-    if ws is None:
-        ws = d["_fast_ws"] = tuple(weights())
+    if ws is None or d.get("_fast_epoch") != _PARAM_EPOCH[0]:  # first call, or parameters (re)registered somewhere
+        ws = tuple(weights())
+        if d.get("_fast_ws") is None or any(a is not b for a, b in zip(ws, d["_fast_ws"])):
+            d.pop("_fast", None)
+        d["_fast_ws"], d["_fast_epoch"] = ws, _PARAM_EPOCH[0]
+        d["_fast_inference"] = any(t.is_inference() for t in ws)  # fixed for a tensor's life (no version counter)
     w0 = ws[0]
     if torch.is_grad_enabled() or w0.device.type != "cpu" or w0.dtype not in (torch.float32, torch.float64) \
-            or w0.is_inference():
+            or d["_fast_inference"]:
         return None
-    # version counters only grow, so their sum changes with any in-place write; a move changes w0's storage
-    key = (w0.data_ptr(), w0.dtype, sum([t._version for t in ws]))
+    # version counters only grow, so their sum changes with any in-place write; a move changes the storages
+    v = ptr = 0
+    for t in ws:
+        v += t._version
+        ptr += t.data_ptr()
+    key = (ptr, w0.dtype, v)
     ent = d.get("_fast")
     if ent is None or ent[0] != key:
         small = sum(t.numel() * t.element_size() for t in ws) <= FAST_WEIGHTS_MAX_BYTES
@@ -296,7 +313,8 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, b: "BatchIndex") -> Tensor:
     rows of one matmul, so the keys are never repeated. Equal up to float rounding."""
     B, N, nh, hd = q.shape
     nkv, L = keys.shape[1], keys.shape[2]
-    if q.device.type != "cpu" or B < MANUAL_ATTENTION_MIN_ROWS:
+    # half precision stays on SDPA, whose CPU kernel keeps the scores and the softmax in float32
+    if q.device.type != "cpu" or B < MANUAL_ATTENTION_MIN_ROWS or q.dtype not in (torch.float32, torch.float64):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=b.attn_mask,
                                              enable_gqa=nh != nkv)
         return out.transpose(1, 2).reshape(B, N, nh * hd)
