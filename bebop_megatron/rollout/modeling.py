@@ -256,6 +256,18 @@ def _on_parameter_registered(module: nn.Module, name: str, param) -> None:
 torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
 
 
+def _weights_key(ws) -> tuple:
+    """What a cache built from the tensors ``ws`` is keyed on: their storages, dtype and version counters.
+    Version counters only grow, so their sum changes with any in-place write (``copy_``); a move or a
+    cast changes the storages. One key for every cache of derived weights (``_fast_weights``,
+    ``CausalLMWithMTP._mtp_fold``): it is checked once per layer or draft step."""
+    v = ptr = 0
+    for t in ws:
+        v += t._version
+        ptr += t.data_ptr()
+    return ptr, ws[0].dtype, v
+
+
 def _fast_weights(owner: nn.Module, weights, build) -> Optional[tuple]:
     """``build()``'s fused, transposed copies of the tensors ``weights()`` lists, cached on ``owner`` until
     one of them changes, for small modules on a CPU without autograd; None elsewhere (the modules' own
@@ -284,12 +296,7 @@ def _fast_weights(owner: nn.Module, weights, build) -> Optional[tuple]:
     if torch.is_grad_enabled() or w0.device.type != "cpu" or w0.dtype not in (torch.float32, torch.float64) \
             or d["_fast_inference"]:
         return None
-    # version counters only grow, so their sum changes with any in-place write; a move changes the storages
-    v = ptr = 0
-    for t in ws:
-        v += t._version
-        ptr += t.data_ptr()
-    key = (ptr, w0.dtype, v)
+    key = _weights_key(ws)
     ent = d.get("_fast")
     if ent is None or ent[0] != key:
         small = sum(t.numel() * t.element_size() for t in ws) <= FAST_WEIGHTS_MAX_BYTES
@@ -897,7 +904,7 @@ class CausalLMWithMTP(nn.Module):
         return (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight,)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        w = self._head_weights()[0]
         fused = _fast_weights(self, self._head_weights, lambda: (w.t().contiguous(),))  # a small vocabulary's head as [h, V]
         if fused is not None:
             return torch.mm(hidden.reshape(-1, hidden.shape[-1]), fused[0]).view(*hidden.shape[:-1], -1)
@@ -965,8 +972,7 @@ class CausalLMWithMTP(nn.Module):
         E, w, we = self.embed_tokens.weight, m.eh_proj.weight, m.enorm.weight
         if E.numel() * E.element_size() > MTP_FOLD_MAX_BYTES or E.is_inference() or w.is_inference() or we.is_inference():
             return None
-        # version counters only grow: their sum changes with any in-place write (one draft step per depth runs this)
-        key = (E.data_ptr(), w.data_ptr(), we.data_ptr(), E.dtype, E._version + w._version + we._version)
+        key = _weights_key((E, w, we))
         ent = self._mtp_folds.get(i)
         if ent is None or ent[0] != key:
             h = E.shape[1]
