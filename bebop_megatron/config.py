@@ -296,6 +296,12 @@ class RLConfig:
     num_local_servers: int = 1  # when `servers` is empty: `bebop serve` processes started by the trainer
     server_threads: int = 1  # torch threads per local server
     server_max_running: int = 64
+    # sequences per /generate request (SGLang's batch form). 0: a step's samples split evenly over the
+    # healthy servers, in whole groups, at most 256 per request; 1: one request per sample, as slime
+    # sends them. On `bebop serve` many small requests cost rollout time: its HTTP loop shares the GIL
+    # with the engine thread, so 128 one-sample requests arrive over many engine steps and the batch
+    # is admitted piecemeal (docs/rollout_speed.md, stop 41)
+    samples_per_request: int = 0
     api_key: Optional[str] = None
     speculative: bool = True  # MTP speculative decoding in the rollout servers (γ = model.mtp_num_layers)
     verify: str = "rejection"  # rejection | target_only
@@ -558,7 +564,8 @@ class Config:
             errors.append(f"rl.weight_sync must be tensor, disk or distributed, got {r.weight_sync!r}")
         if r.verify not in ("rejection", "target_only"):
             errors.append(f"rl.verify must be rejection or target_only, got {r.verify!r}")
-        for name in ("steps", "max_staleness", "eval_prompts", "save_interval", "exit_interval", "bench_prompts"):
+        for name in ("steps", "max_staleness", "eval_prompts", "save_interval", "exit_interval", "bench_prompts",
+                     "samples_per_request"):
             if getattr(r, name) < 0:
                 errors.append(f"rl.{name} must be >= 0")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "num_local_servers", "growmtp_topk",

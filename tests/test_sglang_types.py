@@ -149,14 +149,28 @@ def _manager(record_topk=0, stop=(";", "end")):
     return m
 
 
+def _job(ids, seed):
+    from bebop_megatron.rl.rollout import _Job
+    from bebop_megatron.rl.types import Prompt
+
+    return _Job(0, list(ids), Prompt(text="", answer=""), seed)
+
+
 def test_generate_bodies_are_valid_sglang_requests(sgl):
     for topk in (0, 8):
-        body = _manager(record_topk=topk)._payload([5, 6, 7], seed=1234)
+        body = _manager(record_topk=topk)._payload([_job([5, 6, 7], 1234)])
         req = check_generate(sgl, body)
         sp = req.sampling_params
         assert sp.sampling_seed == 1234 and sp.max_new_tokens == body["sampling_params"]["max_new_tokens"]
         assert ("return_spec_records" in body) == bool(topk)
         assert sp.stop_token_ids and sp.stop == ["end"]
+    # the batch form (several samples per request): lists of prompts and of sampling params
+    for topk in (0, 8):
+        body = _manager(record_topk=topk)._payload([_job([5, 6, 7], 1), _job([8, 9], 2), _job([5, 6, 7], 3)])
+        req = check_generate(sgl, body)
+        assert [sp.sampling_seed for sp in req.sampling_params] == [1, 2, 3]
+        assert req.input_ids == [[5, 6, 7], [8, 9], [5, 6, 7]] and req.return_logprob is True
+        assert ("return_spec_records" in body) == bool(topk)
     # the validator is strict where SGLang is: the old `seed` field is a 400
     with pytest.raises(sgl.api.JsonContractError, match="unknown field `seed`"):
         sgl.api.GenerateRequest.from_json_value({"input_ids": [1], "sampling_params": {"seed": 1}})
@@ -249,15 +263,13 @@ def test_bridge_weight_syncs_send_only_sglang_requests(sgl):
     buckets = [{"model.embed_tokens.weight": torch.zeros(4, 2)}, {"model.layers.2.eh_proj.weight": torch.ones(2, 4)}]
 
     async def scenario():
-        bridge = RolloutBridge(["http://sglang-a:30000", "http://sglang-b:30000"])
-        await bridge.client.aclose()
-        bridge.client = httpx.AsyncClient(transport=httpx.MockTransport(rec))
+        bridge = RolloutBridge(["http://sglang-a:30000", "http://sglang-b:30000"], transport=httpx.MockTransport(rec))
         await bridge.update_weights_from_disk("/shared/v1", "1")
         info = await bridge.init_weights_update_group(lambda world: sender, "10.0.0.1", 29500, "g", "gloo")
         assert info["world_size"] == 3 and info["rank_offsets"] == [1, 2]
         res = await bridge.update_weights_from_distributed(buckets, "2")
         assert res["servers"] == 2 and bridge.weight_version == "2"
-        out = await bridge.generate(_manager()._payload([1, 2], seed=3))
+        out = await bridge.generate(_manager()._payload([_job([1, 2], 3)]))
         assert out["meta_info"]["finish_reason"]["type"] == "length"
         # a sync that leaves the draft untouched is an error (sglang#27718)
         rec.apply_draft = False

@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -111,6 +112,19 @@ def reward_fn(kind: str) -> Callable[[str, Any], float]:
 
 # ---------------------------------------------------------------------------- manager
 
+MAX_SAMPLES_PER_REQUEST = 256  # the automatic split's bound (bebop serve takes up to 1024 per request)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One sample to generate: its prompt and its seed."""
+
+    prompt_index: int
+    ids: list
+    prompt: Prompt
+    seed: int
+
+
 
 class RolloutManager:
     """Thread-safe front of the bridge for the (synchronous) trainer."""
@@ -160,11 +174,30 @@ class RolloutManager:
             out["tokens_per_verify"] = sum(s.emitted_by_verify for s in ss) / verify
         return out
 
-    def _payload(self, ids: list[int], seed: int) -> dict:
+    def _sampling(self, seed: int) -> dict:
         r = self.cfg.rl
-        sp = protocol.sampling_params(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                      seed=seed, stop=self._stop_strs, stop_token_ids=self._stop_ids)
-        return protocol.generate_request(ids, sp, return_logprob=True, spec_records_topk=self.record_topk)
+        return protocol.sampling_params(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                        seed=seed, stop=self._stop_strs, stop_token_ids=self._stop_ids)
+
+    def _payload(self, jobs: list["_Job"]) -> dict:
+        """One ``/generate`` body for ``jobs``: the single form for one, SGLang's batch form for more."""
+        if len(jobs) == 1:
+            return protocol.generate_request(jobs[0].ids, self._sampling(jobs[0].seed), return_logprob=True,
+                                             spec_records_topk=self.record_topk)
+        return protocol.generate_batch_request([j.ids for j in jobs], [self._sampling(j.seed) for j in jobs],
+                                               return_logprob=True, spec_records_topk=self.record_topk)
+
+    def samples_per_request(self, n: int, group: int) -> int:
+        """Sequences per ``/generate`` request for a batch of ``n`` (``rl.samples_per_request``; 0: the
+        batch split evenly over the healthy servers, in whole groups of ``group``, at most
+        ``MAX_SAMPLES_PER_REQUEST``)."""
+        per = self.cfg.rl.samples_per_request
+        if per > 0:
+            return per
+        servers = max(1, len(self.bridge.healthy()))
+        per = -(-n // servers)
+        per = -(-per // group) * group  # whole groups
+        return max(1, min(per, max(group, MAX_SAMPLES_PER_REQUEST // group * group)))
 
     async def _batch(self, step: int, indices: list[int], prompts: list[Prompt], train: bool) -> RolloutBatch:
         t0 = time.time()
@@ -176,29 +209,39 @@ class RolloutManager:
             ids = list(self.tok.encode(prompts[pi].text))
             for g in range(G):
                 seed = (self.cfg.train.seed * 7919 + step * 1_000_003 + j * G + g) % (2**31)
-                jobs.append(self._one(pi, ids, prompts[pi], seed))
-        samples = await asyncio.gather(*jobs)
-        return RolloutBatch(step=step, samples=list(samples), prompt_indices=indices, seconds=time.time() - t0,
-                            retries=self.bridge.stats.retries - retries0)
+                jobs.append(_Job(pi, ids, prompts[pi], seed))
+        per = self.samples_per_request(len(jobs), G)
+        chunks = await asyncio.gather(*(self._generate(jobs[i:i + per]) for i in range(0, len(jobs), per)))
+        return RolloutBatch(step=step, samples=[s for c in chunks for s in c], prompt_indices=indices,
+                            seconds=time.time() - t0, retries=self.bridge.stats.retries - retries0)
 
-    async def _one(self, pi: int, ids: list[int], prompt: Prompt, seed: int) -> Sample:
-        out = await self.bridge.generate(self._payload(ids, seed))
+    async def _generate(self, jobs: list["_Job"]) -> list[Sample]:
+        """Generate and score ``jobs`` in one request (re-sent whole if any of it is aborted by a
+        weight sync, so all of its samples come from one weight version)."""
+        out = await self.bridge.generate(self._payload(jobs))
+        outs = out if isinstance(out, list) else [out]
+        if len(outs) != len(jobs):
+            raise RolloutError(f"server returned {len(outs)} results for {len(jobs)} prompts")
+        return [await self._sample(job, o) for job, o in zip(jobs, outs)]
+
+    async def _sample(self, job: "_Job", out: dict) -> Sample:
         meta = protocol.parse_meta(out.get("meta_info"))
         resp = [int(t) for t in out.get("output_ids", [])]
         if len(meta.output_logprobs) != len(resp):
             raise RolloutError(f"server returned {len(meta.output_logprobs)} log-probs for {len(resp)} tokens")
         text = self.tok.decode(resp)
         if self.cfg.rl.reward == "code":  # the sandbox blocks: keep the loop free
-            reward = await asyncio.get_running_loop().run_in_executor(None, self.reward, text, prompt.answer)
+            reward = await asyncio.get_running_loop().run_in_executor(None, self.reward, text, job.prompt.answer)
         else:
-            reward = self.reward(text, prompt.answer)
+            reward = self.reward(text, job.prompt.answer)
         reached = (out.get("meta_info") or {}).get("spec_reached_per_depth") or []
-        return Sample(prompt_index=pi, prompt_ids=ids, response_ids=resp, rollout_logprobs=meta.output_logprobs,
-                      reward=float(reward), truncated=meta.truncated, weight_version=meta.version_int(), text=text,
-                      verify_ct=meta.spec.verify_ct, accepted=meta.spec.accepted, proposed=meta.spec.proposed,
+        return Sample(prompt_index=job.prompt_index, prompt_ids=job.ids, response_ids=resp,
+                      rollout_logprobs=meta.output_logprobs, reward=float(reward), truncated=meta.truncated,
+                      weight_version=meta.version_int(), text=text, verify_ct=meta.spec.verify_ct,
+                      accepted=meta.spec.accepted, proposed=meta.spec.proposed,
                       accepted_per_depth=meta.accepted_per_depth, spec_records=meta.spec_records,
                       reached_per_depth=[int(x) for x in reached], verify_tokens=meta.spec.verify_tokens,
-                      plain_rounds=meta.spec.plain_rounds, gamma_sum=meta.spec.gamma_sum, task=prompt.task)
+                      plain_rounds=meta.spec.plain_rounds, gamma_sum=meta.spec.gamma_sum, task=job.prompt.task)
 
     # --------------------------------------------------------------- weights
     def sync_tensors(self, buckets: Iterable[dict], version: int, expect_mtp: bool) -> dict:

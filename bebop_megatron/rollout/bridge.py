@@ -66,16 +66,25 @@ class BridgeStats:
 
 class RolloutBridge:
     def __init__(self, urls: Iterable[str], api_key: Optional[str] = None, timeout: float = 600.0,
-                 max_attempts: int = 4, health_interval: float = 5.0, down_grace_s: float = 60.0):
+                 max_attempts: int = 4, health_interval: float = 5.0, down_grace_s: float = 60.0,
+                 transport: Optional[httpx.AsyncBaseTransport] = None):
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         if not self.servers:
             raise ValueError("RolloutBridge needs at least one server URL")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # idle keep-alive connections expire well before the server's keep-alive timeout, so that a
-        # request never goes out on a connection the server is closing
+        # control calls (health, weights): idle keep-alive connections expire well before the
+        # server's keep-alive timeout, so that a request never goes out on a connection the server is closing
         self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=5.0),
                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
-                                                            keepalive_expiry=2.0))
+                                                            keepalive_expiry=2.0), transport=transport)
+        # /generate: a connection per request. httpcore 1.0's pool hands one idle HTTP/1.1 connection
+        # to every request queued in the same pass (encode/httpcore#1110, #1111), and those requests
+        # then run one after another on it: a burst of 128 generations on a warm pool reached the
+        # server up to 12 per connection, serially (2.0 s against 0.6 s on fresh connections;
+        # docs/rollout_speed.md, stop 41). A generation lasts far longer than a connect.
+        self.gen_client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=5.0),
+                                            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=0),
+                                            transport=transport)
         self.down_grace_s = down_grace_s
         self.max_attempts = max_attempts
         self.health_interval = health_interval
@@ -106,6 +115,7 @@ class RolloutBridge:
             except Exception as e:  # noqa: BLE001
                 log.warning("destroying the weight-update group failed: %s", e)
         await self.client.aclose()
+        await self.gen_client.aclose()
 
     # ---------------------------------------------------------------- routing
     def healthy(self) -> list[ServerState]:
@@ -143,7 +153,7 @@ class RolloutBridge:
             tried.add(s.url)
             s.inflight += 1
             try:
-                r = await self.client.post(s.url + "/generate", json=payload)
+                r = await self.gen_client.post(s.url + "/generate", json=payload)
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 last = f"{type(e).__name__}: {e}"
                 self.stats.retries += 1

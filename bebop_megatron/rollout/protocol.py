@@ -279,6 +279,21 @@ def generate_request(input_ids: Sequence[int], sampling: Mapping, *, return_logp
     return body
 
 
+def generate_batch_request(input_ids: Sequence[Sequence[int]], sampling: Sequence[Mapping], *,
+                           return_logprob: bool = True, spec_records_topk: int = 0) -> dict:
+    """A ``/generate`` body for several tokenized prompts, each with its own sampling params
+    (SGLang's batch form: lists of ``input_ids`` and ``sampling_params``; the answer is a list in
+    the same order). One request instead of many: see ``RolloutManager``'s ``samples_per_request``."""
+    if len(input_ids) != len(sampling) or not input_ids:
+        raise ValueError(f"a batch needs one sampling-params dict per prompt, got {len(input_ids)} prompts "
+                         f"and {len(sampling)} dicts")
+    body: dict[str, Any] = {"input_ids": [[int(t) for t in ids] for ids in input_ids],
+                            "sampling_params": [dict(sp) for sp in sampling], "return_logprob": bool(return_logprob)}
+    if spec_records_topk:
+        body["return_spec_records"] = int(spec_records_topk)  # bebop extension
+    return body
+
+
 def pause_request(mode: str = "abort") -> dict:
     if mode not in ("abort", "retract", "in_place"):
         raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
