@@ -568,6 +568,8 @@ class Config:
                      "samples_per_request"):
             if getattr(r, name) < 0:
                 errors.append(f"rl.{name} must be >= 0")
+        if r.samples_per_request > 1024:
+            errors.append("rl.samples_per_request must be <= 1024 (bebop serve's limit per request)")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "num_local_servers", "growmtp_topk",
                      "num_minibatches", "ppo_epochs"):
             if getattr(r, name) < 1:

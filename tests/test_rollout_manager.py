@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bebop_megatron.config import Config
 from bebop_megatron.data import CharTokenizer
-from bebop_megatron.rl.rollout import RolloutManager
+from bebop_megatron.rl.rollout import MAX_REQUEST_BYTES, RolloutManager
 from bebop_megatron.rl.types import Prompt
 from bebop_megatron.rollout.local_servers import start_local_servers
 from tests.tiny_models import make_hf_checkpoint
@@ -26,7 +26,7 @@ def test_samples_do_not_depend_on_how_a_step_is_split_into_requests(tmp_path):
             cfg.rl.samples_per_request = per
             mgr = RolloutManager([s.url for s in servers], cfg, tok, prompts)
             try:
-                assert mgr.samples_per_request(12, 4) == (12 if per == 0 else per)
+                assert [len(c) for c in mgr.split(_jobs(12), 4)] == {0: [12], 1: [1] * 12, 5: [5, 5, 2]}[per]
                 batch = mgr.submit(0).result(timeout=300)
                 assert mgr.bridge.stats.requests == {0: 1, 1: 12, 5: 3}[per]
             finally:
@@ -43,21 +43,108 @@ def test_samples_do_not_depend_on_how_a_step_is_split_into_requests(tmp_path):
             s.stop()
 
 
-def test_automatic_split_is_whole_groups_over_healthy_servers():
+def _offline_manager(cfg: Config, bridge=None) -> RolloutManager:
+    """The manager's request building and scoring, without servers or its loop thread."""
+    from bebop_megatron.rl.rollout import reward_fn, split_stops
+
+    m = RolloutManager.__new__(RolloutManager)
+    m.cfg, m.tok, m.record_topk, m.bridge = cfg, CharTokenizer(), 0, bridge
+    m.reward = reward_fn(cfg.rl.reward)
+    m._stop_ids, m._stop_strs = split_stops(m.tok, cfg.rl.stop)
+    return m
+
+
+class _Healthy:
+    def __init__(self, n):
+        self.n = n
+
+    def healthy(self):
+        return [None] * self.n
+
+
+def _jobs(n, prompt_len=3):
+    from bebop_megatron.rl.rollout import _Job
+
+    return [_Job(i, list(range(1, prompt_len + 1)), Prompt(text="", answer=""), i) for i in range(n)]
+
+
+def test_automatic_split_is_whole_groups_spread_over_healthy_servers():
     cfg = Config()
-    m = RolloutManager.__new__(RolloutManager)  # the split only: no servers, no loop
-    m.cfg = cfg
-
-    class _Bridge:
-        def __init__(self, n):
-            self.n = n
-
-        def healthy(self):
-            return [None] * self.n
-
-    for servers, n, group, want in [(1, 128, 8, 128), (2, 128, 8, 64), (3, 128, 8, 48), (4, 12, 8, 8),
-                                    (1, 512, 1, 256), (1, 1000, 8, 256), (0, 16, 8, 16), (1, 30, 100, 100)]:
-        m.bridge = _Bridge(servers)
-        assert m.samples_per_request(n, group) == want, (servers, n, group)
+    m = _offline_manager(cfg)
+    for servers, n, group, want in [(1, 128, 8, [128]), (2, 128, 8, [64, 64]), (3, 128, 8, [40, 40, 48]),
+                                    (5, 64, 8, [8, 16, 8, 16, 16]), (4, 12, 4, [4, 4, 4]), (1, 512, 1, [256, 256]),
+                                    (1, 1000, 8, [248, 248, 248, 256]), (0, 16, 8, [16])]:
+        m.bridge = _Healthy(servers)
+        chunks = m.split(_jobs(n), group)
+        assert [len(c) for c in chunks] == want, (servers, n, group)
+        assert [j.seed for c in chunks for j in c] == list(range(n))  # in order, each once
     cfg.rl.samples_per_request = 3
-    assert m.samples_per_request(128, 8) == 3
+    assert [len(c) for c in m.split(_jobs(8), 4)] == [3, 3, 2]
+    # a body stays under MAX_REQUEST_BYTES (bebop serve refuses more than 16 MiB): long prompts split further
+    cfg.rl.samples_per_request = 0
+    m.bridge = _Healthy(1)
+    chunks = m.split(_jobs(64, prompt_len=40_000), 8)
+    assert len(chunks) > 1 and all(sum(8 * len(j.ids) for j in c) <= MAX_REQUEST_BYTES for c in chunks)
+
+
+def test_a_weight_sync_re_sends_only_the_aborted_samples_of_a_batch():
+    """A pause aborts what is still running; the finished samples of the same request are kept."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from bebop_megatron.rollout.bridge import RolloutBridge
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append([sp["sampling_seed"] for sp in body["sampling_params"]] if isinstance(body["sampling_params"], list)
+                    else [body["sampling_params"]["sampling_seed"]])
+        outs = []
+        for seed in seen[-1]:
+            aborted = len(seen) == 1 and seed % 2 == 1  # the first answer: odd seeds cut by a sync
+            outs.append({"text": "x", "output_ids": [] if aborted else [7, 8],
+                         "meta_info": {"finish_reason": {"type": "abort" if aborted else "length"},
+                                       "weight_version": "0" if len(seen) == 1 else "1",
+                                       "output_token_logprobs": [] if aborted else [[-0.5, 7], [-0.25, 8]]}})
+        return httpx.Response(200, json=outs if isinstance(body["sampling_params"], list) else outs[0])
+
+    cfg = Config()
+    jobs = _jobs(6)
+
+    async def run():
+        bridge = RolloutBridge(["http://a:1"], transport=httpx.MockTransport(handler))
+        m = _offline_manager(cfg, bridge)
+        try:
+            samples = await m._generate(jobs)
+        finally:
+            await bridge.close()
+        return samples, bridge.stats.retries
+
+    samples, retries = asyncio.run(run())
+    assert seen[0] == [j.seed for j in jobs] and seen[1] == [1, 3, 5]  # only the aborted ones again
+    assert retries == 3
+    assert [s.prompt_index for s in samples] == [0, 1, 2, 3, 4, 5]
+    assert [s.weight_version for s in samples] == [0, 1, 0, 1, 0, 1]
+    assert all(s.response_ids == [7, 8] and s.rollout_logprobs == [-0.5, -0.25] for s in samples)
+
+
+def test_generations_use_a_connection_each():
+    """httpcore 1.0's pool queues a burst on one idle keep-alive connection (encode/httpcore#1110):
+    /generate must not keep connections alive; control calls do."""
+    import asyncio
+
+    from bebop_megatron.rollout.bridge import RolloutBridge
+
+    async def limits():
+        bridge = RolloutBridge(["http://a:1"])
+        try:
+            return (bridge.gen_client._transport._pool._max_keepalive_connections,
+                    bridge.client._transport._pool._max_keepalive_connections)
+        finally:
+            await bridge.close()
+
+    gen, control = asyncio.run(limits())
+    assert gen == 0 and control > 0

@@ -113,6 +113,13 @@ def reward_fn(kind: str) -> Callable[[str, Any], float]:
 # ---------------------------------------------------------------------------- manager
 
 MAX_SAMPLES_PER_REQUEST = 256  # the automatic split's bound (bebop serve takes up to 1024 per request)
+MAX_REQUEST_BYTES = 8 << 20  # a request's estimated body (bebop serve's default limit is 16 MiB)
+
+
+def _request_bytes(job: "_Job") -> int:
+    """A sample's share of a batch body: its token ids as JSON (at most 7 bytes each) and its
+    sampling params."""
+    return 8 * len(job.ids) + 256
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,6 @@ class _Job:
     ids: list
     prompt: Prompt
     seed: int
-
 
 
 class RolloutManager:
@@ -187,17 +193,33 @@ class RolloutManager:
         return protocol.generate_batch_request([j.ids for j in jobs], [self._sampling(j.seed) for j in jobs],
                                                return_logprob=True, spec_records_topk=self.record_topk)
 
-    def samples_per_request(self, n: int, group: int) -> int:
-        """Sequences per ``/generate`` request for a batch of ``n`` (``rl.samples_per_request``; 0: the
-        batch split evenly over the healthy servers, in whole groups of ``group``, at most
-        ``MAX_SAMPLES_PER_REQUEST``)."""
+    def split(self, jobs: list["_Job"], group: int) -> list[list["_Job"]]:
+        """A batch's ``/generate`` requests, in order. ``rl.samples_per_request`` > 0: that many samples
+        each. 0: whole groups of ``group``, spread as evenly as they go over the healthy servers, at most
+        ``MAX_SAMPLES_PER_REQUEST`` each. Either way a request's body stays under
+        ``MAX_REQUEST_BYTES`` (``bebop serve`` refuses bodies over 16 MiB: long prompts, repeated per sample)."""
         per = self.cfg.rl.samples_per_request
         if per > 0:
-            return per
-        servers = max(1, len(self.bridge.healthy()))
-        per = -(-n // servers)
-        per = -(-per // group) * group  # whole groups
-        return max(1, min(per, max(group, MAX_SAMPLES_PER_REQUEST // group * group)))
+            chunks = [jobs[i:i + per] for i in range(0, len(jobs), per)]
+        else:
+            groups = [jobs[i:i + group] for i in range(0, len(jobs), group)]
+            cap = max(1, MAX_SAMPLES_PER_REQUEST // group)  # groups per request
+            k = min(len(groups), max(len(self.bridge.healthy()), 1, -(-len(groups) // cap)))
+            chunks = [[j for g in groups[len(groups) * c // k: len(groups) * (c + 1) // k] for j in g]
+                      for c in range(k)]
+        out = []
+        for chunk in chunks:
+            cur, size = [], 0
+            for job in chunk:
+                b = _request_bytes(job)
+                if cur and size + b > MAX_REQUEST_BYTES:
+                    out.append(cur)
+                    cur, size = [], 0
+                cur.append(job)
+                size += b
+            if cur:
+                out.append(cur)
+        return out
 
     async def _batch(self, step: int, indices: list[int], prompts: list[Prompt], train: bool) -> RolloutBatch:
         t0 = time.time()
@@ -210,19 +232,27 @@ class RolloutManager:
             for g in range(G):
                 seed = (self.cfg.train.seed * 7919 + step * 1_000_003 + j * G + g) % (2**31)
                 jobs.append(_Job(pi, ids, prompts[pi], seed))
-        per = self.samples_per_request(len(jobs), G)
-        chunks = await asyncio.gather(*(self._generate(jobs[i:i + per]) for i in range(0, len(jobs), per)))
+        chunks = await asyncio.gather(*(self._generate(c) for c in self.split(jobs, G)))
         return RolloutBatch(step=step, samples=[s for c in chunks for s in c], prompt_indices=indices,
                             seconds=time.time() - t0, retries=self.bridge.stats.retries - retries0)
 
     async def _generate(self, jobs: list["_Job"]) -> list[Sample]:
-        """Generate and score ``jobs`` in one request (re-sent whole if any of it is aborted by a
-        weight sync, so all of its samples come from one weight version)."""
-        out = await self.bridge.generate(self._payload(jobs))
-        outs = out if isinstance(out, list) else [out]
-        if len(outs) != len(jobs):
-            raise RolloutError(f"server returned {len(outs)} results for {len(jobs)} prompts")
-        return [await self._sample(job, o) for job, o in zip(jobs, outs)]
+        """Generate and score ``jobs`` (one request). Sequences aborted by a weight sync are re-sent,
+        alone, and run entirely under the new weights; the finished ones are kept."""
+        outs: list[Optional[dict]] = [None] * len(jobs)
+        todo = list(range(len(jobs)))
+        while todo:
+            out = await self.bridge.generate(self._payload([jobs[i] for i in todo]), keep_aborted=True)
+            got = out if isinstance(out, list) else [out]
+            if len(got) != len(todo):
+                raise RolloutError(f"server returned {len(got)} results for {len(todo)} prompts")
+            for i, o in zip(todo, got):
+                outs[i] = o
+            todo = [i for i in todo if protocol.is_aborted(outs[i])]
+            if todo:
+                await asyncio.sleep(0.01)
+        # scored concurrently: the code reward's sandbox runs in the executor
+        return list(await asyncio.gather(*(self._sample(job, o) for job, o in zip(jobs, outs))))
 
     async def _sample(self, job: "_Job", out: dict) -> Sample:
         meta = protocol.parse_meta(out.get("meta_info"))

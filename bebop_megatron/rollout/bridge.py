@@ -39,6 +39,15 @@ from bebop_megatron.rollout.protocol import SPEC_KEY_PAIRS, SpecStats, parse_spe
 log = logging.getLogger("bebop.bridge")
 
 
+def _num_sequences(payload: dict) -> int:
+    """Sequences in a ``/generate`` body: one, or the length of SGLang's batch form."""
+    for key in ("input_ids", "text"):
+        v = payload.get(key)
+        if isinstance(v, list) and v and isinstance(v[0], (list, str)):
+            return len(v)
+    return 1
+
+
 class RolloutError(RuntimeError):
     """No server could serve the request (all down), or a server rejected it (4xx)."""
 
@@ -77,6 +86,7 @@ class RolloutBridge:
         self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=5.0),
                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                                             keepalive_expiry=2.0), transport=transport)
+        # (``transport``, for tests, replaces both pools)
         # /generate: a connection per request. httpcore 1.0's pool hands one idle HTTP/1.1 connection
         # to every request queued in the same pass (encode/httpcore#1110, #1111), and those requests
         # then run one after another on it: a burst of 128 generations on a warm pool reached the
@@ -135,9 +145,15 @@ class RolloutBridge:
         s.healthy, s.last_error = False, err
         s.failures += 1
 
-    async def generate(self, payload: dict) -> Any:
-        """POST /generate with retries on other servers; returns SGLang's JSON."""
+    async def generate(self, payload: dict, keep_aborted: bool = False) -> Any:
+        """POST /generate with retries on other servers; returns SGLang's JSON.
+
+        An answer with an aborted sequence (a weight sync's pause) is re-sent whole, so that it runs
+        entirely under the new weights; with ``keep_aborted`` it is returned as it is, and the caller
+        re-sends only the aborted sequences of a batch (``RolloutManager``: a sync then costs the
+        samples it cut, not the finished ones beside them)."""
         tried: set[str] = set()
+        weight = _num_sequences(payload)  # routing counts sequences in flight, not requests
         last = ""
         failures = 0
         while failures < self.max_attempts + len(self.servers):
@@ -151,7 +167,7 @@ class RolloutBridge:
                     continue
                 raise
             tried.add(s.url)
-            s.inflight += 1
+            s.inflight += weight
             try:
                 r = await self.gen_client.post(s.url + "/generate", json=payload)
             except (httpx.TransportError, httpx.TimeoutException) as e:
@@ -164,7 +180,7 @@ class RolloutBridge:
                     tried.discard(s.url)
                 continue
             finally:
-                s.inflight -= 1
+                s.inflight -= weight
             if r.status_code >= 500:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
                 self._mark_down(s, last)
@@ -176,16 +192,20 @@ class RolloutBridge:
             s.served += 1
             out = r.json()
             outs = out if isinstance(out, list) else [out]
-            if any(self._aborted(o) for o in outs):
+            aborted = sum(self._aborted(o) for o in outs)
+            if aborted and keep_aborted:
+                self.stats.retries += aborted  # the caller re-sends them
+            elif aborted:
                 # aborted by a weight sync (or an operator): re-send, it then runs entirely under
                 # the new weights, so no sample mixes weight versions
-                self.stats.retries += 1
+                self.stats.retries += aborted
                 tried.discard(s.url)
                 await asyncio.sleep(0.01)
                 continue
             self.stats.requests += 1
             for o in outs:
-                self.stats.spec = self.stats.spec + parse_spec_metrics(o.get("meta_info", {}))
+                if not self._aborted(o):
+                    self.stats.spec = self.stats.spec + parse_spec_metrics(o.get("meta_info", {}))
             return out
         raise RolloutError(f"request failed after {failures} attempt(s) on {sorted(tried)}: {last}")
 
