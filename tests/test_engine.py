@@ -1050,6 +1050,41 @@ def test_adaptive_gamma_prices_lost_drafts_and_borrows_costs_across_buckets(qwen
     assert eng._choose_gamma(16) == 2
 
 
+def test_adaptive_gamma_measures_a_tail_bucket_priced_from_a_larger_one(qwen3_dir):
+    """A shrinking RL batch: the γ costs come from the full batch (bucket 64), where γ = 3 just misses
+    the margin; a tail bucket would decode plainly on that price for good (the borrowed ratio errs
+    toward plain, and a bucket where plain wins never measures γ itself). It measures γ once there
+    instead (at most ADAPTIVE_EXPLORE_TRIES begun); a γ priced from a SMALLER bucket is not explored,
+    nor one far above plain's cost."""
+    d, _ = qwen3_dir
+    model = CausalLMWithMTP.from_pretrained(d, dtype=torch.float64)
+    eng = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=64, max_len=64)
+    eng._alpha = _FixedAlpha([0.9] * 3)  # E[tokens] 1.9 / 2.71 / 3.44
+    eng._cost_samples = {(64, 0): deque([1e-3] * 3), (64, 1): deque([1.9] * 3), (64, 2): deque([2.9] * 3),
+                         (64, 3): deque([3.3] * 3), (4, 0): deque([5e-4] * 3)}
+    assert eng._choose_gamma(64) == 0  # γ = 3: 0.96 plain rounds per token, inside the 10% margin
+    assert eng._choose_gamma(4) == 3 and eng._probe_left == 1 + eng.ADAPTIVE_SAMPLES - 1  # catch-up + samples
+    assert eng._explored[(4, 3)] == 1
+    eng._probe_left = 0
+    eng._explored[(4, 3)] = eng.ADAPTIVE_EXPLORE_TRIES  # tried often enough: the next γ in price, then plain
+    assert eng._choose_gamma(4) == 1
+    eng._probe_left = 0
+    eng._explored.update({(4, 1): 9, (4, 2): 9})
+    assert eng._choose_gamma(4) == 0
+    # priced from a smaller bucket: no exploration (the borrowed ratio is already the optimistic one)
+    eng2 = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=64, max_len=64)
+    eng2._alpha = _FixedAlpha([0.9] * 3)
+    eng2._cost_samples = {(4, 0): deque([1e-3] * 3), (4, 1): deque([1.9] * 3), (4, 2): deque([2.9] * 3),
+                          (4, 3): deque([3.3] * 3), (64, 0): deque([5e-4] * 3)}
+    assert eng2._choose_gamma(64) == 0 and not eng2._explored
+    # far above plain (γ = 3 at 1.5 plain rounds per token): plain, without exploring
+    eng3 = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=64, max_len=64)
+    eng3._alpha = _FixedAlpha([0.9] * 3)
+    eng3._cost_samples = {(64, 0): deque([1e-3] * 3), (64, 1): deque([3.0] * 3), (64, 2): deque([4.5] * 3),
+                          (64, 3): deque([5.2] * 3), (4, 0): deque([5e-4] * 3)}
+    assert eng3._choose_gamma(4) == 0 and not eng3._explored
+
+
 def test_verify_tokens_count_only_what_a_stop_string_keeps(qwen3_dir, monkeypatch):
     """A stop string found after a verify step cuts the drafts committed past it: they are not
     verify tokens, and the accepted-chain yield that prices adaptive γ does not count them."""

@@ -296,6 +296,7 @@ class Engine:
         # bucket where plain decoding wins, when to probe speculation again (round, interval)
         self._cost_samples: dict[tuple[int, int], deque] = {}
         self._measured_at: dict[tuple[int, int], int] = {}  # (bucket, γ) -> round of its latest steady sample
+        self._explored: dict[tuple[int, int], int] = {}  # (bucket, γ) -> measurements begun on a larger bucket's price
         self._probes: dict[int, int] = {}  # per bucket, probes from plain decoding so far
         self._cost_warm: set[tuple[int, int]] = set()  # keys whose first (warm-up) sample was dropped
         self._alpha = [0.7] * g
@@ -504,6 +505,9 @@ class Engine:
     # probe may then wait one more interval for an admission)
     ADAPTIVE_PROBE_ROUNDS = 1 + ADAPTIVE_SAMPLES  # a probe from plain: one catch-up round, then fresh samples
     ADAPTIVE_PROBE_BUDGET = 0.01  # probes may lose at most this share of the plain rounds between them
+    ADAPTIVE_EXPLORE_SLACK = 0.25  # a γ priced from a larger bucket at most this far above plain's cost per
+    # token is measured in the smaller one: its ratio to plain falls as the batch shrinks
+    ADAPTIVE_EXPLORE_TRIES = 3  # ... begun at most this often (a tail bucket may end before its samples are in)
 
     def _cost(self, bk: int, gamma: int) -> Optional[float]:
         """Median steady cost of γ at bucket ``bk``; for γ > 0 without samples there, the nearest
@@ -519,6 +523,29 @@ class Engine:
         near = [(abs(k.bit_length() - bk.bit_length()), -k) for (k, c), v in self._cost_samples.items()
                 if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
         return statistics.median(self._cost_samples[(-min(near)[1], gamma)]) if near else None
+
+    def _lender(self, bk: int, gamma: int) -> Optional[int]:
+        """The bucket whose γ cost ``_cost`` borrows for ``bk`` (None: its own, or none measured)."""
+        own = self._cost_samples.get((bk, gamma))
+        if own and len(own) >= self.ADAPTIVE_SAMPLES:
+            return None
+        near = [(abs(k.bit_length() - bk.bit_length()), -k) for (k, c), v in self._cost_samples.items()
+                if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
+        return -min(near)[1] if near else None
+
+    def _explore(self, bk: int, per_token: dict[int, float]) -> int:
+        """A γ to measure at ``bk`` although a borrowed cost says plain: one priced from a LARGER bucket
+        within ADAPTIVE_EXPLORE_SLACK of plain. Borrowing errs toward plain by design (``_cost``), and a
+        bucket where plain is chosen never measures γ on its own: in a shrinking RL batch the tail
+        buckets then decode plainly on the price of the full batch. At most ADAPTIVE_EXPLORE_TRIES
+        begun per (bucket, γ); 0: nothing to explore."""
+        cands = [c for c in per_token if c and self._explored.get((bk, c), 0) < self.ADAPTIVE_EXPLORE_TRIES
+                 and per_token[c] <= 1.0 + self.ADAPTIVE_EXPLORE_SLACK and (self._lender(bk, c) or 0) > bk]
+        if not cands:
+            return 0
+        c = min(cands, key=per_token.get)
+        self._explored[(bk, c)] = self._explored.get((bk, c), 0) + 1
+        return c
 
     def _depth_starts(self, slots: list[int], g: int) -> list[list[int]]:
         """b_k per depth and row: depth k starts at its first uncomputed position, or where depth k+1
@@ -630,6 +657,10 @@ class Engine:
             H = self._horizon(reqs)
             switch = {c: self._switch_cost(bk, c, reqs) for c in winners}
             best = min([0, *winners], key=lambda c: H * per_token[c] + switch.get(c, 0.0))
+        if best == 0 and (explore := self._explore(bk, per_token)):
+            self._remeasure(bk, explore)  # a catch-up round (where the depths lag), then steady samples
+            self.last_gamma = explore
+            return explore
         if best == 0:
             due, interval = self._probe_at.get(bk, (now + self.ADAPTIVE_REMEASURE, self.ADAPTIVE_REMEASURE))
             # probe a γ > 0 (below: which); a due probe waits for the round
