@@ -1062,8 +1062,9 @@ def test_adaptive_gamma_measures_a_tail_bucket_priced_from_a_larger_one(qwen3_di
     eng._alpha = _FixedAlpha([0.9] * 3)  # E[tokens] 1.9 / 2.71 / 3.44
     eng._cost_samples = {(64, 0): deque([1e-3] * 3), (64, 1): deque([1.9] * 3), (64, 2): deque([2.9] * 3),
                          (64, 3): deque([3.3] * 3), (4, 0): deque([5e-4] * 3)}
-    assert eng._choose_gamma(64) == 0  # γ = 3: 0.96 plain rounds per token, inside the 10% margin
-    assert eng._choose_gamma(4) == 3 and eng._probe_left == 1 + eng.ADAPTIVE_SAMPLES - 1  # catch-up + samples
+    assert eng._choose_gamma(64) == 0  # γ = 3: 0.96 plain rounds per token, short of the 10% margin
+    # a catch-up round, a warm-up round (γ's first steady round at this bucket), then ADAPTIVE_SAMPLES samples
+    assert eng._choose_gamma(4) == 3 and eng._probe_left == 1 + 1 + eng.ADAPTIVE_SAMPLES - 1
     assert eng._explored[(4, 3)] == 1
     eng._probe_left = 0
     eng._explored[(4, 3)] = eng.ADAPTIVE_EXPLORE_TRIES  # tried often enough: the next γ in price, then plain
@@ -1071,6 +1072,14 @@ def test_adaptive_gamma_measures_a_tail_bucket_priced_from_a_larger_one(qwen3_di
     eng._probe_left = 0
     eng._explored.update({(4, 1): 9, (4, 2): 9})
     assert eng._choose_gamma(4) == 0
+    # a γ that wins on its borrowed price but loses to its catch-up over the horizon is not explored
+    eng4 = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=64, max_len=64)
+    eng4._alpha = _FixedAlpha([0.9] * 3)
+    eng4._cost_samples = {(64, 0): deque([1e-3] * 3), (64, 1): deque([1.9] * 3), (64, 2): deque([2.9] * 3),
+                          (64, 3): deque([2.6] * 3), (4, 0): deque([5e-4] * 3)}  # γ = 3: 0.76 per token
+    eng4._switch_cost = lambda bk, c, reqs: 50.0  # every γ's catch-up: 50 plain rounds
+    eng4._horizon = lambda reqs: 4.0
+    assert eng4._choose_gamma(4, reqs=[object()]) == 0 and not eng4._explored
     # priced from a smaller bucket: no exploration (the borrowed ratio is already the optimistic one)
     eng2 = Engine(model, spec=SpecConfig("mtp", 3, adaptive=True), max_running=64, max_len=64)
     eng2._alpha = _FixedAlpha([0.9] * 3)

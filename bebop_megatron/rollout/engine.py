@@ -519,31 +519,35 @@ class Engine:
             return statistics.median(own)
         if gamma == 0:
             return None
-        # equally near: the larger bucket (its ratio is the higher, so the borrowed choice errs toward plain)
-        near = [(abs(k.bit_length() - bk.bit_length()), -k) for (k, c), v in self._cost_samples.items()
-                if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
-        return statistics.median(self._cost_samples[(-min(near)[1], gamma)]) if near else None
+        lender = self._lender(bk, gamma)
+        return statistics.median(self._cost_samples[(lender, gamma)]) if lender is not None else None
 
     def _lender(self, bk: int, gamma: int) -> Optional[int]:
         """The bucket whose γ cost ``_cost`` borrows for ``bk`` (None: its own, or none measured)."""
         own = self._cost_samples.get((bk, gamma))
         if own and len(own) >= self.ADAPTIVE_SAMPLES:
             return None
+        # equally near: the larger bucket (its ratio is the higher, so the borrowed choice errs toward plain)
         near = [(abs(k.bit_length() - bk.bit_length()), -k) for (k, c), v in self._cost_samples.items()
                 if c == gamma and len(v) >= self.ADAPTIVE_SAMPLES]
         return -min(near)[1] if near else None
 
-    def _explore(self, bk: int, per_token: dict[int, float]) -> int:
+    def _explore(self, bk: int, per_token: dict[int, float], reqs: Optional[list[Request]]) -> int:
         """A γ to measure at ``bk`` although a borrowed cost says plain: one priced from a LARGER bucket
-        within ADAPTIVE_EXPLORE_SLACK of plain. Borrowing errs toward plain by design (``_cost``), and a
-        bucket where plain is chosen never measures γ on its own: in a shrinking RL batch the tail
-        buckets then decode plainly on the price of the full batch. At most ADAPTIVE_EXPLORE_TRIES
-        begun per (bucket, γ); 0: nothing to explore."""
+        within ADAPTIVE_EXPLORE_SLACK of plain, and not a winner there (a winner lost to its catch-up
+        against the horizon, which a measurement would pay again). Borrowing errs toward plain by design
+        (``_cost``), and a bucket where plain is chosen never measures γ on its own: in a shrinking RL
+        batch the tail buckets then decode plainly on the price of the full batch. The γ of least
+        catch-up + samples cost, where the rows have tokens left for its rounds; at most
+        ADAPTIVE_EXPLORE_TRIES begun per (bucket, γ); 0: nothing to explore."""
+        H = self._horizon(reqs)
         cands = [c for c in per_token if c and self._explored.get((bk, c), 0) < self.ADAPTIVE_EXPLORE_TRIES
-                 and per_token[c] <= 1.0 + self.ADAPTIVE_EXPLORE_SLACK and (self._lender(bk, c) or 0) > bk]
+                 and 1.0 < per_token[c] * (1.0 + self.ADAPTIVE_MARGIN)
+                 and per_token[c] <= 1.0 + self.ADAPTIVE_EXPLORE_SLACK and (self._lender(bk, c) or 0) > bk
+                 and (reqs is None or H >= (self.ADAPTIVE_SAMPLES + 2) * self.effective_tokens(c))]
         if not cands:
             return 0
-        c = min(cands, key=per_token.get)
+        c = min(cands, key=lambda c: self.ADAPTIVE_SAMPLES * per_token[c] + self._switch_cost(bk, c, reqs))
         self._explored[(bk, c)] = self._explored.get((bk, c), 0) + 1
         return c
 
@@ -657,8 +661,13 @@ class Engine:
             H = self._horizon(reqs)
             switch = {c: self._switch_cost(bk, c, reqs) for c in winners}
             best = min([0, *winners], key=lambda c: H * per_token[c] + switch.get(c, 0.0))
-        if best == 0 and (explore := self._explore(bk, per_token)):
+        if best == 0 and (explore := self._explore(bk, per_token, reqs)):
             self._remeasure(bk, explore)  # a catch-up round (where the depths lag), then steady samples
+            if (bk, explore) not in self._cost_warm:
+                self._probe_left += 1  # its first steady round there is a warm-up, not a sample
+            # the probe schedule restarts after it (an overdue probe would re-measure what was just measured)
+            interval = self._probe_at.get(bk, (0, self.ADAPTIVE_REMEASURE))[1]
+            self._probe_at[bk] = (now + interval, interval)
             self.last_gamma = explore
             return explore
         if best == 0:
