@@ -10,8 +10,7 @@ from bebop_megatron.config import Config
 from bebop_megatron.data import CharTokenizer
 from bebop_megatron.rl.rollout import RolloutManager
 from bebop_megatron.rl.types import Prompt
-from bebop_megatron.rollout.local_servers import start_local_servers
-from tests.tiny_models import make_hf_checkpoint
+from tests.server_utils import tiny_mtp_servers
 
 
 def _running_reqs(url: str) -> int:
@@ -21,9 +20,7 @@ def _running_reqs(url: str) -> int:
 
 
 def test_rollout_server_killed_mid_batch_loses_no_sample(tmp_path):
-    make_hf_checkpoint(tmp_path / "hf", "qwen3", "deepseek", num_mtp=2, vocab=64, hidden=64, layers=2)
-    servers = start_local_servers(tmp_path / "hf", 2, ["--speculative-algorithm", "MTP", "--speculative-num-steps", "2",
-                                                       "--weight-version", "0"], log_dir=tmp_path / "logs")
+    servers = tiny_mtp_servers(tmp_path, 2, "--weight-version", "0")
     cfg = Config()
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 8, 4, 48
     tok = CharTokenizer()
@@ -56,9 +53,7 @@ def test_weight_sync_while_generating_keeps_versions_atomic(tmp_path):
     re-sent under the new weights)."""
     from safetensors.torch import load_file
 
-    make_hf_checkpoint(tmp_path / "hf", "qwen3", "deepseek", num_mtp=2, vocab=64, hidden=64, layers=2)
-    servers = start_local_servers(tmp_path / "hf", 1, ["--speculative-algorithm", "MTP", "--speculative-num-steps",
-                                                       "2", "--weight-version", "0"], log_dir=tmp_path / "logs")
+    servers = tiny_mtp_servers(tmp_path, 1, "--weight-version", "0")
     cfg = Config()
     # 64 requests of up to 256 tokens: the batch lasts long enough for the sync to catch most of them
     # in flight; 16 requests of 64 tokens could all finish (0.24 s) before the sync reached the server

@@ -7,14 +7,11 @@ from bebop_megatron.config import Config
 from bebop_megatron.data import CharTokenizer
 from bebop_megatron.rl.rollout import MAX_REQUEST_BYTES, RolloutManager
 from bebop_megatron.rl.types import Prompt
-from bebop_megatron.rollout.local_servers import start_local_servers
-from tests.tiny_models import make_hf_checkpoint
+from tests.server_utils import offline_rollout_manager, tiny_mtp_servers
 
 
 def test_samples_do_not_depend_on_how_a_step_is_split_into_requests(tmp_path):
-    make_hf_checkpoint(tmp_path / "hf", "qwen3", "deepseek", num_mtp=2, vocab=64, hidden=64, layers=2)
-    servers = start_local_servers(tmp_path / "hf", 1, ["--speculative-algorithm", "MTP", "--speculative-num-steps", "2",
-                                                       "--dtype", "float64"], log_dir=tmp_path / "logs")
+    servers = tiny_mtp_servers(tmp_path, 1, "--dtype", "float64")
     cfg = Config()
     cfg.rl.prompts_per_step, cfg.rl.group_size, cfg.rl.max_new_tokens = 3, 4, 24
     cfg.rl.stop = [";"]
@@ -43,17 +40,6 @@ def test_samples_do_not_depend_on_how_a_step_is_split_into_requests(tmp_path):
             s.stop()
 
 
-def _offline_manager(cfg: Config, bridge=None) -> RolloutManager:
-    """The manager's request building and scoring, without servers or its loop thread."""
-    from bebop_megatron.rl.rollout import reward_fn, split_stops
-
-    m = RolloutManager.__new__(RolloutManager)
-    m.cfg, m.tok, m.record_topk, m.bridge = cfg, CharTokenizer(), 0, bridge
-    m.reward = reward_fn(cfg.rl.reward)
-    m._stop_ids, m._stop_strs = split_stops(m.tok, cfg.rl.stop)
-    return m
-
-
 class _Healthy:
     def __init__(self, n):
         self.n = n
@@ -70,7 +56,7 @@ def _jobs(n, prompt_len=3):
 
 def test_automatic_split_is_whole_groups_spread_over_healthy_servers():
     cfg = Config()
-    m = _offline_manager(cfg)
+    m = offline_rollout_manager(cfg)
     for servers, n, group, want in [(1, 128, 8, [128]), (2, 128, 8, [64, 64]), (3, 128, 8, [40, 40, 48]),
                                     (5, 64, 8, [8, 16, 8, 16, 16]), (4, 12, 4, [4, 4, 4]), (1, 512, 1, [256, 256]),
                                     (1, 1000, 8, [248, 248, 248, 256]), (0, 16, 8, [16])]:
@@ -116,7 +102,7 @@ def test_a_weight_sync_re_sends_only_the_aborted_samples_of_a_batch():
 
     async def run():
         bridge = RolloutBridge(["http://a:1"], transport=httpx.MockTransport(handler))
-        m = _offline_manager(cfg, bridge)
+        m = offline_rollout_manager(cfg, bridge=bridge)
         try:
             samples = await m._generate(jobs)
         finally:

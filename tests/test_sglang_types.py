@@ -138,15 +138,11 @@ def check_generate(sgl, body: dict):
 
 def _manager(record_topk=0, stop=(";", "end")):
     from bebop_megatron.config import Config
-    from bebop_megatron.data import CharTokenizer
-    from bebop_megatron.rl.rollout import RolloutManager, split_stops
+    from tests.server_utils import offline_rollout_manager
 
     cfg = Config()
     cfg.rl.stop = list(stop)
-    m = RolloutManager.__new__(RolloutManager)  # the payload builder only: no servers, no loop
-    m.cfg, m.tok, m.record_topk = cfg, CharTokenizer(), record_topk
-    m._stop_ids, m._stop_strs = split_stops(m.tok, cfg.rl.stop)
-    return m
+    return offline_rollout_manager(cfg, record_topk)  # the payload builder only: no servers, no loop
 
 
 def _job(ids, seed):
